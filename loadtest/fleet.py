@@ -1,0 +1,189 @@
+"""Start and stop the processes of a test or benchmark fleet: simulated replicas, the gateway, sglang-router.
+
+Shared by the end-to-end tests, the load-test runner and `prefix-gateway demo`, so all three start real
+processes on loopback the same way: free ports, a bounded wait for readiness, and a stop that never leaves a
+process behind (SIGTERM to the process group, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import httpx
+
+LOOPBACK = "127.0.0.1"
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+
+
+class FleetError(RuntimeError):
+    """A process of the fleet did not start; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def env_without_proxies(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment minus proxy variables, for peers that would send loopback traffic through a proxy."""
+    env = dict(os.environ if base is None else base)
+    for name in PROXY_VARIABLES:
+        env.pop(name, None)
+        env.pop(name.lower(), None)
+    env["NO_PROXY"] = env["no_proxy"] = f"{LOOPBACK},localhost"
+    return env
+
+
+@dataclass
+class Process:
+    name: str
+    urls: list[str]
+    popen: subprocess.Popen[bytes]
+    log_path: str
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        """Crash the process at once (SIGKILL), as a failing replica would."""
+        self._signal(signal.SIGKILL)
+        self.popen.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if not self.alive():
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def log_tail(self, max_chars: int = 3000) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as log:
+                return log.read()[-max_chars:]
+        except OSError:
+            return ""
+
+    def _signal(self, signum: int) -> None:
+        try:
+            os.killpg(self.popen.pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def start_process(
+    name: str,
+    argv: Sequence[str],
+    urls: Sequence[str],
+    *,
+    ready_path: str,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 60.0,
+) -> Process:
+    """Start `argv` in its own process group and wait until `ready_path` answers 200 at every URL."""
+    log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
+    popen = subprocess.Popen(
+        list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env=dict(env) if env is not None else None, start_new_session=True,
+    )
+    log.close()
+    process = Process(name, list(urls), popen, log.name)
+    try:
+        wait_ready(process, [url + ready_path for url in urls], timeout_s)
+    except BaseException:
+        process.stop()
+        raise
+    return process
+
+
+def wait_ready(process: Process, ready_urls: Sequence[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(ready_urls)
+    with httpx.Client(trust_env=False, timeout=2.0) as client:
+        while pending:
+            if not process.alive():
+                raise FleetError(f"{process.name} exited with {process.popen.returncode}:\n{process.log_tail()}")
+            if time.monotonic() > deadline:
+                raise FleetError(f"{process.name} not ready after {timeout_s:.0f} s at {pending[0]}:\n"
+                                 f"{process.log_tail()}")
+            try:
+                if client.get(pending[0]).status_code == 200:
+                    pending.pop(0)
+                    continue
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+
+
+def base_url(port: int) -> str:
+    return f"http://{LOOPBACK}:{port}"
+
+
+@dataclass
+class Fleet:
+    """The processes of one run; `stop()` (or leaving `running_fleet()`) ends all of them."""
+
+    processes: list[Process] = field(default_factory=list)
+
+    def start_replicas(self, count: int, *, args: Sequence[str] = (), name: str = "replicas") -> Process:
+        """`count` simulated replicas served from one process (cheap on 2 cores); returns it with its URLs."""
+        ports = [free_port() for _ in range(count)]
+        argv = [sys.executable, "-m", "loadtest.replica", "--ports", ",".join(map(str, ports)), *args]
+        process = start_process(name, argv, [base_url(port) for port in ports], ready_path="/health")
+        self.processes.append(process)
+        return process
+
+    def start_replica(self, *, args: Sequence[str] = (), name: str = "replica") -> Process:
+        """One replica in its own process, so a test can kill it alone."""
+        return self.start_replicas(1, args=args, name=name)
+
+    def start_gateway(self, backends: Sequence[str], *, args: Sequence[str] = (),
+                      env: Mapping[str, str] | None = None, name: str = "gateway") -> Process:
+        port = free_port()
+        argv = [sys.executable, "-m", "gateway", "serve", "--host", LOOPBACK, "--port", str(port)]
+        for backend in backends:
+            argv += ["--backend", backend]
+        process = start_process(name, [*argv, *args], [base_url(port)], ready_path="/ready", env=env)
+        self.processes.append(process)
+        return process
+
+    def start_sglang_router(self, backends: Sequence[str], *, policy: str = "cache_aware",
+                            args: Sequence[str] = ()) -> Process:
+        """SGLang's own router in front of the same kind of fleet (it needs the proxy variables cleared)."""
+        port, metrics_port = free_port(), free_port()
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", LOOPBACK, "--port", str(port),
+                "--policy", policy, "--prometheus-host", LOOPBACK, "--prometheus-port", str(metrics_port),
+                "--worker-urls", *backends, *args]
+        process = start_process("sglang-router", argv, [base_url(port)], ready_path="/readiness",
+                                env=env_without_proxies(), timeout_s=120.0)
+        self.processes.append(process)
+        return process
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+        self.processes.clear()
+
+
+@contextmanager
+def running_fleet() -> Iterator[Fleet]:
+    fleet = Fleet()
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
