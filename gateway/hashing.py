@@ -1,0 +1,28 @@
+"""Chained block hashes of a routing text: the keys of the prefix index.
+
+The text is cut into blocks of `block_chars` characters and block i is hashed with xxh3 seeded by the hash of
+block i-1, so one 64-bit value names a block *and everything before it*. Two prompts share their first k hashes
+exactly when they share their first k blocks, which lets the index look a prefix up one dict probe per block.
+
+Default block size 64 characters: about 16 tokens at ~4 characters per token, the block size of vLLM's prefix
+cache and the granularity llm-d hashes at. Smaller blocks predict partial matches more finely but cost more
+hashes and index nodes per prompt (a 32k-character prompt is 500 blocks at 64); only full blocks are hashed,
+as engines only reuse full blocks.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+DEFAULT_BLOCK_CHARS = 64
+_ROOT_SEED = 0x5EED
+
+
+def block_hashes(text: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> list[int]:
+    """Chained xxh3-64 hashes of the full `block_chars`-character blocks of `text`, in order."""
+    hashes: list[int] = []
+    seed = _ROOT_SEED
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        seed = xxhash.xxh3_64_intdigest(text[start:start + block_chars].encode("utf-8", "surrogatepass"), seed)
+        hashes.append(seed)
+    return hashes

@@ -1,0 +1,168 @@
+"""The gateway's model of one backend's prefix cache: a radix tree over chained block hashes, LRU-bounded.
+
+Each node is one block of some cached prompt; its key is the block's chained hash (see `hashing.py`), so the
+key names the whole path from the root and the tree can be stored as a dict of nodes with parent links:
+matching a prompt is one dict probe per block, and two prompts that diverge inside a block simply have
+different children. Unlike a character-level radix tree there is nothing to split.
+
+Bounded like the engine's own cache: at most `capacity_blocks` nodes. When an insert would exceed it, the least
+recently used *leaf* goes first, as in SGLang's radix cache. A node is always at least as recent as its
+descendants (touching a path touches every node on it), so evicting leaves in LRU order keeps each prefix's
+first blocks longest: the shared system prompt outlives the conversations hanging off it.
+
+Nothing here awaits, so the event loop needs no locks around it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+from sortedcontainers import SortedList
+
+
+class _Node:
+    __slots__ = ("key", "parent", "children", "last_access", "created")
+
+    def __init__(self, key: int, parent: _Node | None, tick: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.children: set[int] = set()
+        self.last_access = tick
+        self.created = tick
+
+
+class PrefixIndex:
+    """Which prompt prefixes one backend probably holds, in blocks."""
+
+    def __init__(self, capacity_blocks: int, clock: Callable[[], int] | None = None) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self._capacity = capacity_blocks
+        # One clock shared by all backends' indexes makes `created_at` comparable across them.
+        self._clock = clock or itertools.count(1).__next__
+        self._nodes: dict[int, _Node] = {}
+        self._roots: set[int] = set()
+        self._leaves: SortedList = SortedList()  # (last_access, key) of nodes without children
+
+    @property
+    def size_blocks(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._capacity
+
+    @capacity_blocks.setter
+    def capacity_blocks(self, blocks: int) -> None:
+        self._capacity = max(1, blocks)
+        self._evict_down_to(self._capacity)
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """Number of leading blocks of `hashes` present; does not count as a use."""
+        matched = 0
+        for key in hashes:
+            if key not in self._nodes:
+                break
+            matched += 1
+        return matched
+
+    def created_at(self, key: int) -> int:
+        """Clock value at which the block `key` was first inserted (0 when absent)."""
+        node = self._nodes.get(key)
+        return node.created if node else 0
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        """Record that the backend now caches this prompt: add missing blocks, mark the whole path used."""
+        hashes = hashes[: self._capacity]  # a prompt longer than the cache keeps its head, like the engine
+        if not hashes:
+            return
+        tick = self._clock()
+        parent: _Node | None = None
+        for key in hashes:
+            node = self._nodes.get(key)
+            if node is None:
+                node = self._add_child(parent, key, tick)
+            elif not node.children:
+                self._leaves.remove((node.last_access, key))
+                node.last_access = tick
+                self._leaves.add((tick, key))
+            else:
+                node.last_access = tick
+            parent = node
+        self._evict_down_to(self._capacity)
+
+    def truncate(self, hashes: Sequence[int], keep_blocks: int) -> int:
+        """Forget this prompt's blocks from `keep_blocks` on, with all that hangs below them.
+
+        Used when the backend reports fewer cached tokens than the index predicted: it evicted that part.
+        Returns the number of nodes removed.
+        """
+        if keep_blocks >= len(hashes) or hashes[keep_blocks] not in self._nodes:
+            return 0
+        return self._remove_subtree(self._nodes[hashes[keep_blocks]])
+
+    def clear(self) -> None:
+        self._nodes.clear()
+        self._roots.clear()
+        self._leaves.clear()
+
+    def _add_child(self, parent: _Node | None, key: int, tick: int) -> _Node:
+        node = _Node(key, parent, tick)
+        self._nodes[key] = node
+        if parent is None:
+            self._roots.add(key)
+        else:
+            if not parent.children:
+                self._leaves.remove((parent.last_access, parent.key))
+            parent.children.add(key)
+        self._leaves.add((tick, key))
+        return node
+
+    def _evict_down_to(self, capacity: int) -> None:
+        while len(self._nodes) > capacity:
+            _, key = self._leaves[0]
+            self._remove_leaf(self._nodes[key])
+
+    def _remove_leaf(self, node: _Node) -> None:
+        self._leaves.remove((node.last_access, node.key))
+        del self._nodes[node.key]
+        parent = node.parent
+        if parent is None:
+            self._roots.discard(node.key)
+            return
+        parent.children.discard(node.key)
+        if not parent.children:
+            self._leaves.add((parent.last_access, parent.key))
+
+    def _remove_subtree(self, top: _Node) -> int:
+        removed = 0
+        stack = [top]
+        order: list[_Node] = []
+        while stack:  # collect depth-first, then remove children before parents so each is a leaf
+            node = stack.pop()
+            order.append(node)
+            stack.extend(self._nodes[key] for key in node.children)
+        for node in reversed(order):
+            self._remove_leaf(node)
+            removed += 1
+        return removed
+
+    def check_invariants(self) -> None:
+        """Recount everything kept incrementally; raises AssertionError on any mismatch (for tests)."""
+        assert len(self._nodes) <= self._capacity, "over capacity"
+        leaves = set()
+        for key, node in self._nodes.items():
+            assert node.key == key
+            if node.parent is None:
+                assert key in self._roots, "root not registered"
+            else:
+                assert self._nodes.get(node.parent.key) is node.parent, "orphan node"
+                assert key in node.parent.children
+                assert node.parent.last_access >= node.last_access, "parent older than child"
+            for child in node.children:
+                assert self._nodes[child].parent is node
+            if not node.children:
+                leaves.add((node.last_access, key))
+        assert leaves == set(self._leaves), "leaf set out of date"
+        assert self._roots == {k for k, n in self._nodes.items() if n.parent is None}
