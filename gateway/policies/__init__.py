@@ -1,0 +1,72 @@
+"""Routing policies: given the healthy backends that serve a request's model, pick one.
+
+The interface is one method, `choose(backends, request) -> Decision`, called synchronously by the router between
+receiving a request and forwarding it. Policies read backend state (load, prefix index) but never change it:
+the router reserves load and records the prompt in the chosen backend's index right after the decision, so
+concurrent requests see each other's placement. One module per policy family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+from gateway.backends import Backend
+
+
+class Route(str, Enum):
+    """Why a backend was chosen; sent back in `x-gateway-route` and used as a metric label."""
+
+    PREFIX = "prefix"                # it holds the longest useful prefix
+    SPILL = "spill"                  # the prefix owners were saturated; replicated onto another backend
+    LEAST_LOAD = "least-load"        # no useful prefix anywhere; the least loaded backend
+    IMBALANCE = "imbalance"          # the fleet was imbalanced; affinity ignored (cache_aware)
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+    POWER_OF_TWO = "power-of-two"
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    """What a policy knows of a request: its prompt's chained block hashes and its length."""
+
+    hashes: Sequence[int]
+    text_chars: int
+    block_chars: int
+    chars_per_token: float
+
+    def match_fraction(self, blocks: int) -> float:
+        return min(1.0, blocks * self.block_chars / self.text_chars) if self.text_chars else 0.0
+
+    def tokens(self, chars: int) -> int:
+        return int(chars / self.chars_per_token)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.tokens(self.text_chars)
+
+
+@dataclass(frozen=True)
+class Decision:
+    backend: Backend
+    route: Route
+    matched_blocks: int
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
+        """Pick one of `backends` (never empty, all healthy and serving the request's model)."""
+        ...
+
+
+class PolicyName(str, Enum):
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    LEAST_LOAD = "least_load"
+    POWER_OF_TWO = "power_of_two"
+    CACHE_AWARE = "cache_aware"
+    PREFIX_AWARE = "prefix_aware"

@@ -1,0 +1,53 @@
+"""`cache_aware`: sglang-router 0.3.x's cache-aware policy, reproduced as the baseline we measure against.
+
+The algorithm, per request (loads are in-flight request counts, reserved at selection):
+
+1. If the fleet is imbalanced — `max_load - min_load > balance_abs_threshold` and
+   `max_load > min_load * balance_rel_threshold` — take the least loaded backend (ties: first configured),
+   ignoring the prompt entirely.
+2. Otherwise find the backend holding the longest prefix of the prompt. If the matched share of the prompt is
+   above `cache_threshold`, take it (ties: the backend that cached that prefix first).
+3. Else take the least loaded backend (ties: first configured).
+
+Knobs keep sglang-router's names and defaults: `cache_threshold` 0.3, `balance_abs_threshold` 64,
+`balance_rel_threshold` 1.5. Differences we accept: sglang matches characters in one shared tree, we match
+64-character blocks in per-backend indexes (the same question, answered at block granularity), and our indexes
+are bounded by what each backend can hold rather than by `max_tree_size` characters alone.
+
+Its weaknesses are kept on purpose (see REFERENCE.md): a shared system prompt above the threshold pins all
+traffic to its first owner until the imbalance gate trips, ties favour the first backend, and rebalancing
+throws affinity away. `prefix_aware` is the policy that fixes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.backends import Backend
+from gateway.policies import Decision, Route, RoutingRequest
+
+
+class CacheAware:
+    name = "cache_aware"
+
+    def __init__(self, cache_threshold: float, balance_abs_threshold: int, balance_rel_threshold: float) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+
+    def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
+        matches = [backend.index.match(request.hashes) for backend in backends]
+        least = min(range(len(backends)), key=lambda i: backends[i].in_flight)  # first on ties
+        if self._imbalanced(backends):
+            return Decision(backends[least], Route.IMBALANCE, matches[least])
+        deepest = max(matches)
+        if deepest and request.match_fraction(deepest) > self.cache_threshold:
+            owners = [i for i, blocks in enumerate(matches) if blocks == deepest]
+            first_owner = min(owners, key=lambda i: backends[i].index.created_at(request.hashes[deepest - 1]))
+            return Decision(backends[first_owner], Route.PREFIX, deepest)
+        return Decision(backends[least], Route.LEAST_LOAD, matches[least])
+
+    def _imbalanced(self, backends: Sequence[Backend]) -> bool:
+        loads = [backend.in_flight for backend in backends]
+        high, low = max(loads), min(loads)
+        return high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold

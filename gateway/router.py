@@ -1,0 +1,99 @@
+"""The *choose* step: filter the backends that may serve a request, let the policy pick, reserve the pick.
+
+Reserving happens in the same synchronous call as the decision — load counted, prompt recorded in the chosen
+backend's prefix index — so a burst of requests with one new prefix sees its own placements (REFERENCE.md:
+every peer learned this). A `Placement` releases what it reserved exactly once, whatever way the request ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gateway.backends import Backend, Pool
+from gateway.hashing import block_hashes
+from gateway.policies import Decision, Policy, PolicyName, RoutingRequest
+from gateway.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin
+from gateway.policies.cache_aware import CacheAware
+from gateway.policies.prefix_aware import PrefixAware
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    policy: PolicyName = PolicyName.PREFIX_AWARE
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    block_chars: int = 64
+    chars_per_token: float = 4.0
+    decode_weight_tokens: float = 16.0
+    metrics_max_age_s: float = 2.0
+
+
+def make_policy(config: RoutingConfig) -> Policy:
+    name = config.policy
+    if name is PolicyName.ROUND_ROBIN:
+        return RoundRobin()
+    if name is PolicyName.RANDOM:
+        return Random()
+    if name is PolicyName.LEAST_LOAD:
+        return LeastLoad()
+    if name is PolicyName.POWER_OF_TWO:
+        return PowerOfTwo()
+    if name is PolicyName.CACHE_AWARE:
+        return CacheAware(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold)
+    return PrefixAware(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold,
+                       config.decode_weight_tokens, config.metrics_max_age_s)
+
+
+class Placement:
+    """A decision and the load it reserved on its backend, until `first_byte()` and `finish()`."""
+
+    def __init__(self, decision: Decision, request: RoutingRequest) -> None:
+        self.decision = decision
+        self.request = request
+        self.predicted_cached_tokens = request.tokens(decision.matched_blocks * request.block_chars)
+        self.prefill_tokens = max(0, request.prompt_tokens - self.predicted_cached_tokens)
+        self._prefilling = True
+        self._finished = False
+        decision.backend.reserve(self.prefill_tokens)
+
+    @property
+    def backend(self) -> Backend:
+        return self.decision.backend
+
+    @property
+    def match_fraction(self) -> float:
+        return self.request.match_fraction(self.decision.matched_blocks)
+
+    def first_byte(self) -> None:
+        if self._prefilling:
+            self._prefilling = False
+            self.backend.prefill_done(self.prefill_tokens)
+
+    def finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self.first_byte()
+            self.backend.release()
+
+
+class Router:
+    def __init__(self, pool: Pool, config: RoutingConfig, default_model: str | None = None) -> None:
+        self.pool = pool
+        self.config = config
+        self.policy = make_policy(config)
+        self.default_model = default_model
+
+    def routing_request(self, text: str) -> RoutingRequest:
+        return RoutingRequest(block_hashes(text, self.config.block_chars), len(text),
+                              self.config.block_chars, self.config.chars_per_token)
+
+    def resolve_model(self, requested: str | None) -> str:
+        return self.pool.resolve_model(requested, self.default_model)
+
+    def place(self, model: str, request: RoutingRequest, exclude: Iterable[Backend] = ()) -> Placement:
+        """Choose a backend for `request` and reserve it; raises NoHealthyBackend when none is left."""
+        decision = self.policy.choose(self.pool.candidates(model, exclude), request)
+        decision.backend.index.insert(request.hashes)
+        return Placement(decision, request)
