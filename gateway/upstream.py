@@ -1,0 +1,165 @@
+"""The *forward* step: send the request to the chosen backend and relay its answer as it arrives.
+
+One shared httpx client with a connection pool serves every upstream call (requests, health checks, metadata).
+It is built with `trust_env=False`: the host's HTTP_PROXY/HTTPS_PROXY/ALL_PROXY must never be applied to calls
+to our own replicas (seed 000: a set proxy variable turned every engine call into a 502; sglang-router still
+breaks this way).
+
+httpx's exceptions are translated here, at this one boundary, into the gateway's own (`errors.py`). A backend
+that cannot be reached before it sent anything is marked down and the request goes to another one; a timeout
+is not retried (the backend may still be working on it) and becomes 504.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+import anyio
+import httpx
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway.errors import UpstreamError, UpstreamTimeout
+from gateway.router import Placement
+from gateway.usage import Usage, UsageTap
+
+logger = logging.getLogger(__name__)
+
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                        "trailers", "transfer-encoding", "upgrade"})
+# accept-encoding: ask backends for identity bodies, so the usage tap reads plain JSON.
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "accept-encoding"}
+# date/server: uvicorn writes its own.
+_NOT_RELAYED = HOP_BY_HOP | {"date", "server"}
+
+
+def create_client(connect_timeout_s: float, request_timeout_s: float) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s, pool=request_timeout_s)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=60.0)
+    return httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits)
+
+
+def log_ignored_proxy_environment(environ: Mapping[str, str]) -> None:
+    found = sorted(name for name in environ if name.upper() in PROXY_VARIABLES)
+    if found:
+        logger.info("proxy variables %s are set and ignored: upstream calls go directly to the backends",
+                    ", ".join(found))
+
+
+def forwarded_headers(headers: Mapping[str, str], request_id: str) -> dict[str, str]:
+    kept = {name: value for name, value in headers.items() if name.lower() not in _NOT_FORWARDED}
+    kept["x-request-id"] = request_id
+    return kept
+
+
+def relayed_headers(headers: httpx.Headers) -> list[tuple[bytes, bytes]]:
+    return [(name.lower().encode("latin-1"), value.encode("latin-1"))
+            for name, value in headers.items() if name.lower() not in _NOT_RELAYED]
+
+
+@dataclass
+class Outcome:
+    """How a relayed exchange ended, for the record step."""
+
+    status: int
+    usage: Usage | None = None
+    error: str | None = None  # "timeout", "broken", "client_disconnect", or None
+    ttfb_s: float | None = None
+
+
+async def send_upstream(client: httpx.AsyncClient, placement: Placement, path: str, body: bytes,
+                        headers: Mapping[str, str]) -> httpx.Response:
+    """Open the exchange; raises UpstreamTimeout, or httpx.TransportError when it may be retried elsewhere."""
+    request = client.build_request("POST", placement.backend.url + path, content=body, headers=dict(headers))
+    try:
+        return await client.send(request, stream=True)
+    except httpx.TimeoutException as exc:
+        if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
+            raise  # nothing reached the backend: safe to try another
+        raise UpstreamTimeout(f"The backend did not answer within the request timeout ({exc.__class__.__name__}).",
+                              code="upstream_timeout") from exc
+
+
+def is_retryable(exc: httpx.TransportError) -> bool:
+    """Errors raised before any response byte arrived; the request can go to another backend."""
+    return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError,
+                            httpx.ReadError, httpx.WriteError))
+
+
+def broken(exc: httpx.TransportError) -> UpstreamError:
+    return UpstreamError(f"The backend broke the connection: {exc.__class__.__name__}.", code="upstream_broken")
+
+
+class RelayResponse:
+    """An ASGI response that relays an upstream response chunk by chunk, never buffering it.
+
+    It watches the client too: when the client goes away the upstream request is closed at once (the engine
+    then aborts it), and `on_done` runs exactly once however the exchange ends.
+    """
+
+    def __init__(self, upstream: httpx.Response, extra_headers: Mapping[str, str], streaming: bool,
+                 on_first_byte: Callable[[], None], on_done: Callable[[Outcome], Awaitable[None]],
+                 started_s: float) -> None:
+        self.upstream = upstream
+        self.headers = relayed_headers(upstream.headers) + [
+            (name.encode("latin-1"), value.encode("latin-1")) for name, value in extra_headers.items()]
+        self.tap = UsageTap(streaming)
+        self.streaming = streaming
+        self.on_first_byte = on_first_byte
+        self.on_done = on_done
+        self.started_s = started_s
+        self.outcome = Outcome(status=upstream.status_code)
+        self.upstream_finished = False  # past this, a disconnect is the server closing a finished exchange
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.upstream.status_code, "headers": self.headers})
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(self._cancel_on_disconnect, receive, tasks.cancel_scope)
+                await self._relay_body(send)
+                tasks.cancel_scope.cancel()
+        except OSError:  # the client's socket went away under uvicorn's send
+            self.outcome.error = "client_disconnect"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+                self.outcome.usage = self.tap.usage()
+                await self.on_done(self.outcome)
+
+    async def _relay_body(self, send: Send) -> None:
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                if self.outcome.ttfb_s is None:
+                    self.outcome.ttfb_s = time.monotonic() - self.started_s
+                    self.on_first_byte()
+                self.tap.feed(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self.upstream_finished = True
+        except httpx.TimeoutException:
+            self.outcome.error = "timeout"
+            await self._send_stream_error(UpstreamTimeout("The backend stopped sending within the request "
+                                                          "timeout.", code="upstream_timeout"), send)
+        except httpx.TransportError as exc:
+            self.outcome.error = "broken"
+            await self._send_stream_error(broken(exc), send)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _send_stream_error(self, error: UpstreamError | UpstreamTimeout, send: Send) -> None:
+        """Headers are gone already; tell a streaming client in-band, as an SSE error event it can parse."""
+        logger.warning("backend %s broke a response mid-way: %s", self.upstream.request.url, error.message)
+        if self.streaming:
+            event = b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+
+    async def _cancel_on_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        while True:
+            message: Message = await receive()
+            if message["type"] == "http.disconnect":
+                if not self.upstream_finished:
+                    self.outcome.error = self.outcome.error or "client_disconnect"
+                scope.cancel()
+                return

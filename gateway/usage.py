@@ -1,0 +1,91 @@
+"""Reading the prompt and cached token counts a backend reports, without slowing the relay.
+
+Non-streamed bodies are kept (up to a bound) and parsed once at the end. Streams are never parsed chunk by
+chunk: the tap only remembers the last complete SSE event that mentions usage (a bytes search), and that one
+event is parsed when the stream ends — the final usage chunk of OpenAI's `stream_options.include_usage`, or
+the last `meta_info` of SGLang's `/generate` stream.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+_USAGE_MARKERS = (b'"usage"', b'"meta_info"', b'"timings"')
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int | None  # None: the backend does not report cache hits
+
+
+def usage_from(payload: Any) -> Usage | None:
+    """Token counts from one response object, in whichever of the engines' shapes it comes."""
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if cached is None:
+            cached = _llama_cpp_cached(payload)
+        return Usage(usage["prompt_tokens"], cached if isinstance(cached, int) else None)
+    meta = payload.get("meta_info")  # SGLang native /generate
+    if isinstance(meta, dict) and isinstance(meta.get("prompt_tokens"), int):
+        cached = meta.get("cached_tokens")
+        return Usage(meta["prompt_tokens"], cached if isinstance(cached, int) else None)
+    timings = payload.get("timings")  # llama.cpp, when no usage object came along
+    if isinstance(timings, dict) and isinstance(timings.get("prompt_n"), int):
+        cached = _llama_cpp_cached(payload) or 0
+        return Usage(timings["prompt_n"] + cached, cached)
+    return None
+
+
+def _llama_cpp_cached(payload: dict[str, Any]) -> int | None:
+    """llama.cpp's server reports reused prompt tokens as `timings.cache_n`."""
+    timings = payload.get("timings")
+    cached = timings.get("cache_n") if isinstance(timings, dict) else None
+    return cached if isinstance(cached, int) else None
+
+
+class UsageTap:
+    def __init__(self, streaming: bool, max_body_bytes: int = 8 * 1024 * 1024) -> None:
+        self._streaming = streaming
+        self._max_body_bytes = max_body_bytes
+        self._buffer = bytearray()
+        self._last_usage_event = b""
+
+    def feed(self, chunk: bytes) -> None:
+        if not self._streaming:
+            if len(self._buffer) + len(chunk) <= self._max_body_bytes:
+                self._buffer += chunk
+            return
+        self._buffer += chunk
+        cut = self._buffer.rfind(b"\n\n")
+        if cut < 0:
+            if len(self._buffer) > self._max_body_bytes:  # one absurd event: give up on it, keep relaying
+                self._buffer.clear()
+            return
+        complete = bytes(self._buffer[:cut])
+        del self._buffer[: cut + 2]
+        for event in reversed(complete.split(b"\n\n")):
+            if any(marker in event for marker in _USAGE_MARKERS):
+                self._last_usage_event = event
+                return
+
+    def usage(self) -> Usage | None:
+        if not self._streaming:
+            return usage_from(_loads(bytes(self._buffer)))
+        for line in self._last_usage_event.splitlines():
+            if line.startswith(b"data:"):
+                return usage_from(_loads(line[5:].strip()))
+        return None
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
