@@ -46,7 +46,6 @@ class Backend:
     model_card: dict[str, Any] = field(default_factory=dict)  # the backend's own /v1/models entry
     engine: str = "unknown"  # "sglang", "vllm", "llama.cpp", ... as discovered
     healthy: bool = False
-    checked: bool = False  # at least one health check has finished
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     capacity_tokens: int | None = None
