@@ -1,0 +1,262 @@
+"""The gateway as an ASGI app: every generation request goes parse → rewrite → choose → forward → record.
+
+    exchange = await parse(request, endpoint)        # body read (bounded), JSON checked, model resolved
+    exchange = rewrite(exchange)                     # volatile IDs moved off the prompt prefix (rewrite.py)
+    routing = router.routing_request(text)           # chained block hashes of the prompt (hashing.py)
+    placement = router.place(model, routing)         # healthy backends filtered, policy picks, load reserved
+    upstream = await send_upstream(...)              # forwarded as-is; unreachable -> next backend
+    return RelayResponse(upstream, on_done=record)   # relayed chunk by chunk; usage read at the end
+
+`create_app(config)` builds every part and hands it in; the lifespan starts the health checks and closes the
+shared HTTP client. Errors of any step are `GatewayError`s, turned into OpenAI's error shape in one handler.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.backends import Pool
+from gateway.config import GatewayConfig
+from gateway.errors import BadRequest, GatewayError, PayloadTooLarge
+from gateway.health import Upkeep
+from gateway.metrics import GatewayMetrics
+from gateway.prompts import Endpoint, routing_text, validate_body
+from gateway.rewrite import Rewriter
+from gateway.router import Placement, Router
+from gateway.upstream import (Outcome, RelayResponse, broken, create_client, forwarded_headers, is_retryable,
+                              log_ignored_proxy_environment, send_upstream)
+from gateway.usage import Usage
+
+logger = logging.getLogger(__name__)
+access_log = logging.getLogger("gateway.access")
+
+GENERATION_PATHS = {
+    "/v1/chat/completions": Endpoint.CHAT,
+    "/v1/completions": Endpoint.COMPLETION,
+    "/generate": Endpoint.GENERATE,
+    "/v1/embeddings": Endpoint.EMBEDDING,
+}
+# A backend reporting less than this share of the predicted cached tokens has evicted that prefix.
+EVICTION_EVIDENCE_RATIO = 0.5
+
+
+@dataclass(frozen=True)
+class Exchange:
+    endpoint: Endpoint
+    path: str
+    body: dict[str, Any]
+    raw: bytes
+    model: str
+    streaming: bool
+    request_id: str
+    started_s: float
+    rewritten_spans: int = 0
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.pool = Pool(config.backends, max(1, config.max_tree_size // config.routing.block_chars),
+                         retry_after_s=max(1, int(config.health.interval_s)))
+        self.router = Router(self.pool, config.routing, config.default_model)
+        self.rewriter = Rewriter(config.rewrite)
+        self.metrics = GatewayMetrics(self.pool)
+        self.client = create_client(config.connect_timeout_s, config.request_timeout_s)
+        self.upkeep = Upkeep(self.pool, self.client, config)
+
+    # -- the request path -------------------------------------------------------------------------------
+
+    async def relay(self, request: Request) -> Response:
+        exchange = await self.parse(request, GENERATION_PATHS[request.url.path])
+        exchange = self.rewrite(exchange, request.headers.get("x-gateway-rewrite", ""))
+        routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body))
+        tried: list[Placement] = []
+        while True:
+            placement = self.router.place(exchange.model, routing, exclude=[p.backend for p in tried])
+            tried.append(placement)
+            try:
+                upstream = await send_upstream(self.client, placement, exchange.path, exchange.raw,
+                                               forwarded_headers(request.headers, exchange.request_id))
+            except httpx.TransportError as exc:
+                self.unreachable(placement, exchange, exc, retry=len(tried) <= self.config.max_retries)
+                continue
+            except GatewayError:
+                self.finish(placement, exchange, Outcome(status=504, error="timeout"))
+                raise
+            return RelayResponse(upstream, self.response_headers(exchange, placement), exchange.streaming,
+                                 placement.first_byte, lambda outcome: self.record(placement, exchange, outcome),
+                                 exchange.started_s)
+
+    async def parse(self, request: Request, endpoint: Endpoint) -> Exchange:
+        raw = await self.read_body(request)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"The request body is not valid JSON: {exc}.") from None
+        problem = validate_body(endpoint, body)
+        if problem:
+            raise BadRequest(problem)
+        return Exchange(endpoint, request.url.path, body, raw, self.router.resolve_model(body.get("model")),
+                        body.get("stream") is True, request.headers.get("x-request-id") or uuid.uuid4().hex,
+                        time.monotonic())
+
+    async def read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.config.max_body_bytes:
+            raise PayloadTooLarge(f"The request body exceeds {self.config.max_body_bytes} bytes.")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.config.max_body_bytes:
+                raise PayloadTooLarge(f"The request body exceeds {self.config.max_body_bytes} bytes.")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def rewrite(self, exchange: Exchange, opt_out_header: str) -> Exchange:
+        result = self.rewriter.rewrite(exchange.endpoint, exchange.body, exchange.model,
+                                       opted_out=opt_out_header.strip().lower() == "off")
+        for hit in result.hits:
+            self.metrics.rewritten_spans.labels(hit.rule, hit.action.value).inc()
+        if result.body is None:
+            return exchange
+        raw = json.dumps(result.body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return replace(exchange, body=result.body, raw=raw, rewritten_spans=result.moved)
+
+    def unreachable(self, placement: Placement, exchange: Exchange, exc: httpx.TransportError, retry: bool) -> None:
+        """The backend could not be reached before it sent anything: take it out, try the next one."""
+        self.finish(placement, exchange, Outcome(status=502, error="unreachable"))
+        if isinstance(exc, httpx.ConnectError):
+            placement.backend.mark_down(f"connection failed: {exc}")
+        if not (retry and is_retryable(exc)):
+            raise broken(exc) from exc
+        logger.warning("backend %s unreachable (%s); retrying request %s elsewhere", placement.backend.url,
+                       exc.__class__.__name__, exchange.request_id)
+
+    def response_headers(self, exchange: Exchange, placement: Placement) -> dict[str, str]:
+        return {"x-request-id": exchange.request_id, "x-gateway-backend": placement.backend.url,
+                "x-gateway-route": placement.decision.route.value,
+                "x-gateway-prefix-match": f"{placement.match_fraction:.3f}",
+                "x-gateway-rewritten-spans": str(exchange.rewritten_spans)}
+
+    # -- the record step --------------------------------------------------------------------------------
+
+    async def record(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
+        self.finish(placement, exchange, outcome)
+        if outcome.usage is not None:
+            self.record_usage(placement, exchange, outcome.usage)
+
+    def finish(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
+        placement.finish()
+        backend, endpoint = placement.backend.url, exchange.endpoint.value
+        status = "499" if outcome.error == "client_disconnect" else str(outcome.status)
+        route = placement.decision.route.value
+        duration_s = time.monotonic() - exchange.started_s
+        self.metrics.requests.labels(endpoint, exchange.model, backend, route, status).inc()
+        self.metrics.upstream_latency.labels(endpoint, backend).observe(duration_s)
+        if outcome.ttfb_s is not None:
+            self.metrics.upstream_ttfb.labels(endpoint, backend).observe(outcome.ttfb_s)
+        self.metrics.prefix_match.labels(exchange.model, route).observe(placement.match_fraction)
+        if outcome.error and outcome.error != "client_disconnect":
+            self.metrics.upstream_errors.labels(backend, outcome.error).inc()
+        access_log.info("%s %s model=%s backend=%s route=%s match=%.3f status=%s%s duration_ms=%.1f id=%s",
+                        "POST", exchange.path, exchange.model, backend, route, placement.match_fraction, status,
+                        f" error={outcome.error}" if outcome.error else "", duration_s * 1000,
+                        exchange.request_id)
+
+    def record_usage(self, placement: Placement, exchange: Exchange, usage: Usage) -> None:
+        labels = (exchange.model, placement.backend.url)
+        self.metrics.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
+        if usage.cached_tokens is None:
+            return
+        predicted = min(placement.predicted_cached_tokens, usage.prompt_tokens)
+        self.metrics.cached_tokens.labels(*labels).inc(usage.cached_tokens)
+        self.metrics.predicted_cached_tokens.labels(*labels).inc(predicted)
+        if predicted and usage.cached_tokens < predicted * EVICTION_EVIDENCE_RATIO:
+            # The backend evicted part of what the index thought it held: forget that part.
+            request = placement.request
+            keep_blocks = int(usage.cached_tokens * request.chars_per_token) // request.block_chars
+            if placement.backend.index.truncate(request.hashes, keep_blocks):
+                self.metrics.index_corrections.labels(placement.backend.url).inc()
+
+    # -- read-only endpoints ----------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": self.pool.model_cards()})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        ready = self.pool.ready()
+        missing = sorted(set(self.pool.models(healthy_only=False)) - set(self.pool.models()))
+        return JSONResponse({"ready": ready, "models": self.pool.models(), "models_without_backend": missing},
+                            status_code=200 if ready else 503)
+
+    async def backends(self, request: Request) -> Response:
+        return JSONResponse({"policy": self.router.policy.name,
+                             "backends": [backend.describe() for backend in self.pool.backends]})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        log_ignored_proxy_environment(os.environ)
+        await self.upkeep.start()
+        logger.info("gateway ready: policy %s, %d backends, models %s", self.router.policy.name,
+                    len(self.pool.backends), ", ".join(self.pool.models()) or "none yet")
+        try:
+            yield
+        finally:
+            await self.upkeep.stop()
+            await self.client.aclose()
+
+
+async def gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    if exc.status_code >= 500:
+        logger.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc.message)
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers())
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405, in OpenAI's error shape like every other gateway error."""
+    assert isinstance(exc, HTTPException)
+    error = BadRequest(f"{request.method} {request.url.path}: {exc.detail}", code=str(exc.status_code))
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(GatewayError("The gateway failed unexpectedly; see its log.").body(), status_code=500)
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    gateway = Gateway(config)
+    routes = [Route(path, gateway.relay, methods=["POST"]) for path in GENERATION_PATHS]
+    routes += [
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/ready", gateway.ready, methods=["GET"]),
+        Route("/backends", gateway.backends, methods=["GET"]),
+        Route("/metrics", gateway.prometheus, methods=["GET"]),
+    ]
+    handlers = {GatewayError: gateway_error, HTTPException: http_error, Exception: internal_error}
+    app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
+    app.state.gateway = gateway
+    return app

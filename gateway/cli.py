@@ -1,0 +1,103 @@
+"""`prefix-gateway serve` (the gateway) and `prefix-gateway demo` (the gateway in front of simulated replicas)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.config import OPTIONS, GatewayConfig, build_config, defaults, load_toml
+from gateway.errors import ConfigError
+
+SERVE_EPILOG = """\
+Every option can also be set in the TOML file given by --config, as a top-level key spelt with underscores
+(cache_threshold = 0.3); flags win over the file. Backends there are [[backends]] tables with url and optional
+model and capacity_tokens; prompt rewriting is the [rewrite] table. See config/gateway.toml.
+
+Upstream calls ignore HTTP_PROXY, HTTPS_PROXY, ALL_PROXY and NO_PROXY: the gateway always talks to its
+backends directly.
+"""
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML file with any of the options below")
+    parser.add_argument("--backend", dest="backends", action="append", metavar="URL", default=argparse.SUPPRESS,
+                        help="base URL of an engine replica, e.g. http://127.0.0.1:30001; repeat for each")
+    parser.add_argument("--rewrite", choices=["on", "off"], default=argparse.SUPPRESS,
+                        help="move volatile IDs off the prompt prefix (default on; [rewrite] table for rules)")
+    shown = defaults()
+    for option in OPTIONS:
+        default = shown[option.key]
+        parser.add_argument("--" + option.key.replace("_", "-"), dest=option.key, default=argparse.SUPPRESS,
+                            metavar=option.metavar or option.key.split("_")[-1].upper(),
+                            help=f"{option.help} (default: {'none' if default is None else default})")
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    flags: dict[str, Any] = {key: value for key, value in vars(args).items()
+                             if key not in ("config", "command", "rewrite", "handler")}
+    file_values = load_toml(args.config) if args.config else {}
+    if "rewrite" in vars(args):
+        table = dict(file_values.get("rewrite", {}))
+        table["enabled"] = args.rewrite == "on"
+        flags["rewrite"] = table
+    config = build_config(file_values, flags)
+    if not config.backends:
+        raise ConfigError("no backends: give --backend URL (repeatable) or [[backends]] in the config file")
+    return config
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    config = config_from_args(args)
+    configure_logging(config.log_level)
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
+                access_log=False, timeout_graceful_shutdown=10)  # gateway.access logs each request instead
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    from gateway.demo import run_demo
+
+    configure_logging("info")
+    return run_demo(replicas=args.replicas, port=args.port, time_scale=args.time_scale)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every upstream call at INFO; the access log already says what happened.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefix-gateway",
+                                     description="Prefix-aware load-balancing gateway for LLM serving replicas.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="run the gateway in front of engine replicas",
+                                       epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_arguments(serve_parser)
+    serve_parser.set_defaults(handler=serve)
+    demo_parser = commands.add_parser("demo", help="run the gateway in front of simulated replicas (no GPU)")
+    demo_parser.add_argument("--replicas", type=int, default=4, help="simulated LLM replicas (default: 4)")
+    demo_parser.add_argument("--port", type=int, default=8000, help="port of the gateway (default: 8000)")
+    demo_parser.add_argument("--time-scale", type=float, default=0.1,
+                             help="speed of the simulated engines: 1.0 = an 8B model on one H100, "
+                                  "0.1 = ten times faster (default: 0.1)")
+    demo_parser.set_defaults(handler=demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except ConfigError as exc:
+        print(f"prefix-gateway: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,256 @@
+"""Configuration: one table of options serves the TOML file, the command line and `--help`.
+
+Precedence: built-in default < `--config FILE` (TOML) < command-line flag. Every option is a top-level TOML key
+spelt with underscores (`cache_threshold = 0.3`), and a flag spelt with dashes (`--cache-threshold 0.3`).
+Backends are `[[backends]]` tables (`url`, optional `model` and `capacity_tokens`) or `--backend URL` flags;
+flags replace the file's list. Prompt rewriting is the `[rewrite]` table (see `rewrite.py`).
+Values are parsed strictly; a bad one raises `ConfigError` naming the key and the value.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+from urllib.parse import urlsplit
+
+from gateway.backends import BackendSpec
+from gateway.errors import ConfigError
+from gateway.policies import PolicyName
+from gateway.rewrite import RewriteConfig
+from gateway.router import RoutingConfig
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval_s: float = 5.0
+    timeout_s: float = 3.0
+    failure_threshold: int = 3
+    success_threshold: int = 1
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    backends: tuple[BackendSpec, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    rewrite: RewriteConfig = field(default_factory=RewriteConfig)
+    max_tree_size: int = 67_108_864  # characters per backend index, as sglang-router
+    eviction_interval_s: float = 60.0
+    metrics_interval_s: float = 0.5
+    request_timeout_s: float = 1800.0
+    connect_timeout_s: float = 5.0
+    max_retries: int = 2
+    max_body_bytes: int = 32 * 1024 * 1024
+    default_model: str | None = None
+    log_level: str = "info"
+
+
+def _int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+
+
+def _float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{key} must be a number, got {value!r}") from None
+
+
+def _str(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def parse_bool(key: str, value: Any) -> bool:
+    """True/False, or exactly 'true'/'false'/'on'/'off' as text; nothing else passes for a boolean."""
+    if isinstance(value, bool):
+        return value
+    text = value.lower() if isinstance(value, str) else None
+    if text in ("true", "on"):
+        return True
+    if text in ("false", "off"):
+        return False
+    raise ConfigError(f"{key} must be true or false, got {value!r}")
+
+
+def _choice(enum: type[Enum]) -> Callable[[str, Any], Any]:
+    def parse(key: str, value: Any) -> Any:
+        try:
+            return enum(value)
+        except ValueError:
+            allowed = ", ".join(str(member.value) for member in enum)  # type: ignore[attr-defined]
+            raise ConfigError(f"{key} must be one of {allowed}, got {value!r}") from None
+    return parse
+
+
+def _at_least(minimum: float, parse: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    def checked(key: str, value: Any) -> Any:
+        parsed = parse(key, value)
+        if parsed < minimum:
+            raise ConfigError(f"{key} must be >= {minimum}, got {value!r}")
+        return parsed
+    return checked
+
+
+def _fraction(key: str, value: Any) -> float:
+    parsed = _float(key, value)
+    if not 0.0 <= parsed <= 1.0:
+        raise ConfigError(f"{key} must be between 0 and 1, got {value!r}")
+    return parsed
+
+
+class LogLevel(str, Enum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str  # TOML key; the flag is --key-with-dashes
+    section: str  # which dataclass it fills: "", "routing" or "health"
+    field: str
+    parse: Callable[[str, Any], Any]
+    help: str
+    metavar: str | None = None
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", "", "host", _str, "address to listen on"),
+    Option("port", "", "port", _at_least(1, _int), "port to listen on"),
+    Option("policy", "routing", "policy", _choice(PolicyName),
+           "routing policy: prefix_aware (cache affinity weighed against queued work), cache_aware "
+           "(sglang-router's algorithm), round_robin, random, least_load or power_of_two", "NAME"),
+    Option("cache_threshold", "routing", "cache_threshold", _fraction,
+           "share of the prompt (0-1) that must be cached on a backend for affinity to count"),
+    Option("balance_abs_threshold", "routing", "balance_abs_threshold", _at_least(0, _int),
+           "in-flight requests by which a backend must exceed the least loaded one to count as overloaded"),
+    Option("balance_rel_threshold", "routing", "balance_rel_threshold", _at_least(1.0, _float),
+           "...and the factor by which it must exceed it (both must hold)"),
+    Option("decode_weight_tokens", "routing", "decode_weight_tokens", _at_least(0.0, _float),
+           "prefix_aware: prompt tokens of prefill one running request is worth in a backend's cost"),
+    Option("block_chars", "routing", "block_chars", _at_least(8, _int),
+           "characters per hashed block of the prefix index (~16 tokens at 64)"),
+    Option("chars_per_token", "routing", "chars_per_token", _at_least(0.5, _float),
+           "characters per token, to convert between prompt text and KV capacity in tokens"),
+    Option("metrics_max_age_secs", "routing", "metrics_max_age_s", _at_least(0.0, _float),
+           "seconds after which a backend's scraped load metrics are ignored as stale"),
+    Option("max_tree_size", "", "max_tree_size", _at_least(64, _int),
+           "upper bound of each backend's prefix index, in characters; the index is also bounded by the "
+           "backend's reported KV capacity"),
+    Option("eviction_interval_secs", "", "eviction_interval_s", _at_least(0.0, _float),
+           "accepted for sglang-router compatibility; the index evicts on insert, so it never exceeds its bound"),
+    Option("metrics_scrape_interval_secs", "", "metrics_interval_s", _at_least(0.0, _float),
+           "seconds between scrapes of each backend's /metrics for queue and KV usage (0 disables)"),
+    Option("health_check_interval_secs", "health", "interval_s", _at_least(0.1, _float),
+           "seconds between active health checks (GET /health) of each backend"),
+    Option("health_check_timeout_secs", "health", "timeout_s", _at_least(0.1, _float),
+           "seconds a health check may take before it counts as failed"),
+    Option("health_failure_threshold", "health", "failure_threshold", _at_least(1, _int),
+           "consecutive failed checks that take a backend out"),
+    Option("health_success_threshold", "health", "success_threshold", _at_least(1, _int),
+           "consecutive good checks that bring a backend back"),
+    Option("request_timeout_secs", "", "request_timeout_s", _at_least(0.1, _float),
+           "seconds a backend may stay silent (before the first byte or between chunks) before 504"),
+    Option("connect_timeout_secs", "", "connect_timeout_s", _at_least(0.1, _float),
+           "seconds to open a connection to a backend before trying another"),
+    Option("max_retries", "", "max_retries", _at_least(0, _int),
+           "other backends tried when one cannot be reached before it sent anything"),
+    Option("max_body_bytes", "", "max_body_bytes", _at_least(1024, _int),
+           "largest request body accepted, in bytes (413 above)"),
+    Option("default_model", "", "default_model", _str,
+           "model for requests that name none, when several are served"),
+    Option("log_level", "", "log_level", lambda key, value: _choice(LogLevel)(key, value).value,
+           "log level: debug, info, warning or error"),
+)
+
+
+def defaults() -> dict[str, Any]:
+    """Each option's built-in default, by TOML key (for --help)."""
+    config = GatewayConfig()
+    sections = {"": config, "routing": config.routing, "health": config.health}
+    return {option.key: _shown(getattr(sections[option.section], option.field)) for option in OPTIONS}
+
+
+def _shown(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except OSError as exc:
+        raise ConfigError(f"config file {path!r} cannot be read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
+
+
+def build_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> GatewayConfig:
+    """Merge the TOML file's values and the flags (which win) into a validated GatewayConfig."""
+    merged = {**file_values, **flag_values}
+    known = {option.key for option in OPTIONS} | {"backends", "rewrite"}
+    unknown = sorted(set(merged) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key {unknown[0]!r}")
+    sections: dict[str, dict[str, Any]] = {"": {}, "routing": {}, "health": {}}
+    for option in OPTIONS:
+        if option.key in merged:
+            sections[option.section][option.field] = option.parse(option.key, merged[option.key])
+    return GatewayConfig(
+        backends=parse_backends(merged.get("backends", [])),
+        routing=RoutingConfig(**sections["routing"]),
+        health=HealthConfig(**sections["health"]),
+        rewrite=RewriteConfig.from_toml(_table("rewrite", merged.get("rewrite", {}))),
+        **sections[""],
+    )
+
+
+def _table(key: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key} must be a table, got {value!r}")
+    return value
+
+
+def parse_backends(value: Any) -> tuple[BackendSpec, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(f"backends must be a list, got {value!r}")
+    specs = []
+    for i, entry in enumerate(value):
+        key = f"backends[{i}]"
+        table = {"url": entry} if isinstance(entry, str) else dict(_table(key, entry))
+        extra = sorted(set(table) - {"url", "model", "capacity_tokens"})
+        if extra:
+            raise ConfigError(f"unknown config key {key}.{extra[0]!r}")
+        url = check_url(f"{key}.url", table.get("url"))
+        model = _str(f"{key}.model", table["model"]) if "model" in table else None
+        capacity = _at_least(1, _int)(f"{key}.capacity_tokens", table["capacity_tokens"]) \
+            if "capacity_tokens" in table else None
+        specs.append(BackendSpec(url, model, capacity))
+    urls = [spec.url for spec in specs]
+    duplicate = next((url for url in urls if urls.count(url) > 1), None)
+    if duplicate:
+        raise ConfigError(f"backends lists {duplicate!r} twice")
+    return tuple(specs)
+
+
+def check_url(key: str, value: Any) -> str:
+    url = _str(key, value).rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{key} must be an http(s) URL like http://127.0.0.1:30001, got {value!r}")
+    return url

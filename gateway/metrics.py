@@ -1,0 +1,77 @@
+"""Prometheus metrics, all prefixed `gateway_`, in a registry of the app's own (no global state).
+
+The fleet's actual cache-hit rate is one PromQL division:
+    sum(rate(gateway_cached_tokens_total[5m])) / sum(rate(gateway_prompt_tokens_total[5m]))
+and the index's accuracy another: `gateway_predicted_cached_tokens_total` over `gateway_cached_tokens_total`.
+Backend state (health, in-flight, index size) is read from the pool at scrape time, never copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.backends import Pool
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        gauges = {
+            "healthy": ("1 when the backend passes health checks", lambda b: float(b.healthy)),
+            "in_flight_requests": ("requests sent to the backend and not finished", lambda b: float(b.in_flight)),
+            "pending_prefill_tokens": ("uncached prompt tokens reserved on the backend, not yet past first byte",
+                                       lambda b: float(b.pending_prefill_tokens)),
+            "index_blocks": ("blocks in the backend's prefix index", lambda b: float(b.index.size_blocks)),
+            "index_capacity_blocks": ("bound of the backend's prefix index, in blocks",
+                                      lambda b: float(b.index.capacity_blocks)),
+        }
+        for name, (help_text, read) in gauges.items():
+            family = GaugeMetricFamily(f"gateway_backend_{name}", help_text, labels=["backend", "model"])
+            for backend in self._pool.backends:
+                family.add_metric([backend.url, backend.model or ""], read(backend))
+            yield family
+
+
+class GatewayMetrics:
+    def __init__(self, pool: Pool) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_PoolCollector(pool))
+        labels = ["model", "backend"]
+        self.requests = Counter("gateway_requests", "Requests answered, by outcome",
+                                ["endpoint", "model", "backend", "route", "status"], registry=self.registry)
+        self.upstream_latency = Histogram("gateway_upstream_latency_seconds",
+                                          "Time from forwarding a request to the end of its response",
+                                          ["endpoint", "backend"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.upstream_ttfb = Histogram("gateway_upstream_ttfb_seconds",
+                                       "Time from forwarding a request to the first response byte",
+                                       ["endpoint", "backend"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.prefix_match = Histogram("gateway_prefix_match_ratio",
+                                      "Share of the prompt the chosen backend was predicted to hold",
+                                      ["model", "route"], buckets=FRACTION_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens as the backends report them",
+                                     labels, registry=self.registry)
+        self.cached_tokens = Counter("gateway_cached_tokens",
+                                     "Prompt tokens the backends report as served from their prefix cache",
+                                     labels, registry=self.registry)
+        self.predicted_cached_tokens = Counter(
+            "gateway_predicted_cached_tokens", "Prompt tokens the prefix index predicted cached (same requests "
+            "as gateway_cached_tokens)", labels, registry=self.registry)
+        self.index_corrections = Counter("gateway_index_corrections",
+                                         "Times a backend reported far fewer cached tokens than predicted and the "
+                                         "index forgot the evicted part", ["backend"], registry=self.registry)
+        self.upstream_errors = Counter("gateway_upstream_errors", "Failed exchanges with a backend, by kind",
+                                       ["backend", "kind"], registry=self.registry)
+        self.rewritten_spans = Counter("gateway_rewrite_spans", "Volatile spans found near the prompt start",
+                                       ["rule", "action"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
