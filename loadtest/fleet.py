@@ -153,12 +153,14 @@ class Fleet:
         return self.start_replicas(1, args=args, name=name)
 
     def start_gateway(self, backends: Sequence[str], *, args: Sequence[str] = (),
-                      env: Mapping[str, str] | None = None, name: str = "gateway") -> Process:
+                      env: Mapping[str, str] | None = None, name: str = "gateway",
+                      ready_path: str = "/ready") -> Process:
+        """The gateway in front of `backends`; `ready_path="/health"` for one that is not meant to be ready."""
         port = free_port()
         argv = [sys.executable, "-m", "gateway", "serve", "--host", LOOPBACK, "--port", str(port)]
         for backend in backends:
             argv += ["--backend", backend]
-        process = start_process(name, [*argv, *args], [base_url(port)], ready_path="/ready", env=env)
+        process = start_process(name, [*argv, *args], [base_url(port)], ready_path=ready_path, env=env)
         self.processes.append(process)
         return process
 

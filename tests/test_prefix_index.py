@@ -1,0 +1,104 @@
+import random
+
+import pytest
+
+from gateway.hashing import block_hashes
+from gateway.prefix_index import PrefixIndex
+
+
+def test_shared_prefix_matches_exactly_its_length_in_blocks() -> None:
+    index = PrefixIndex(capacity_blocks=1000)
+    shared = "s" * 640  # 10 blocks of 64
+    index.insert(block_hashes(shared + "first question, long enough to fill one block" * 3))
+    other = block_hashes(shared + "another question entirely, also a block or more" * 3)
+    assert index.match(other) == 10
+
+
+def test_chained_hash_depends_on_everything_before_the_block() -> None:
+    assert block_hashes("a" * 64 + "b" * 64)[1] != block_hashes("c" * 64 + "b" * 64)[1]
+    assert block_hashes("x" * 63) == []
+
+
+def test_evicts_least_recently_used_leaves_first_keeping_shared_heads() -> None:
+    index = PrefixIndex(capacity_blocks=6)
+    system = [1, 2]
+    index.insert(system + [10, 11])  # conversation A
+    index.insert(system + [20, 21])  # conversation B, newer
+    assert index.size_blocks == 6
+    index.insert(system + [30])  # needs one block: A's deepest block goes
+    assert index.match(system + [10, 11]) == 3
+    assert index.match(system + [20, 21]) == 4
+    index.insert(system + [30, 31, 32])  # A goes entirely, the shared system prompt stays
+    assert index.match(system + [10]) == 2
+    assert index.match(system) == 2
+    index.check_invariants()
+
+
+def test_touching_a_prefix_protects_it_from_eviction() -> None:
+    index = PrefixIndex(capacity_blocks=4)
+    index.insert([1, 2])
+    index.insert([3, 4])
+    index.insert([1, 2])  # used again: now [3, 4] is the oldest
+    index.insert([5, 6])
+    assert index.match([1, 2]) == 2
+    assert index.match([3, 4]) == 0
+
+
+def test_prompt_longer_than_capacity_keeps_its_head() -> None:
+    index = PrefixIndex(capacity_blocks=3)
+    index.insert([1, 2, 3, 4, 5])
+    assert index.size_blocks == 3
+    assert index.match([1, 2, 3, 4, 5]) == 3
+
+
+def test_truncate_forgets_the_evicted_tail_and_its_descendants() -> None:
+    index = PrefixIndex(capacity_blocks=100)
+    index.insert([1, 2, 3, 4])
+    index.insert([1, 2, 3, 9])
+    index.insert([1, 7])
+    assert index.truncate([1, 2, 3, 4], keep_blocks=1) == 4  # 2, 3, 4 and 9
+    assert index.match([1, 2]) == 1
+    assert index.match([1, 7]) == 2
+    assert index.truncate([1, 2], keep_blocks=1) == 0
+    index.check_invariants()
+
+
+def test_lowering_capacity_evicts_at_once() -> None:
+    index = PrefixIndex(capacity_blocks=10)
+    index.insert(list(range(1, 11)))
+    index.capacity_blocks = 4
+    assert index.size_blocks == 4
+    index.check_invariants()
+
+
+def test_created_at_orders_first_insertion_across_indexes_sharing_a_clock() -> None:
+    ticks = iter(range(1, 100)).__next__
+    first, second = PrefixIndex(10, ticks), PrefixIndex(10, ticks)
+    first.insert([1, 2])
+    second.insert([1, 2])
+    first.insert([1, 2])  # a later use does not change creation time
+    assert first.created_at(2) < second.created_at(2)
+    assert first.created_at(99) == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_invariants_hold_after_random_operations(seed: int) -> None:
+    rng = random.Random(seed)
+    index = PrefixIndex(capacity_blocks=rng.randint(5, 60))
+    prompts = [[rng.randint(1, 6) for _ in range(rng.randint(1, 3))] for _ in range(20)]
+    for _ in range(400):
+        path = rng.choice(prompts) + [rng.randint(1, 40) for _ in range(rng.randint(0, 12))]
+        hashes = [hash(tuple(path[: i + 1])) for i in range(len(path))]  # chained, like block_hashes
+        operation = rng.random()
+        if operation < 0.6:
+            index.insert(hashes)
+            assert index.match(hashes) == min(len(hashes), index.capacity_blocks)
+        elif operation < 0.8:
+            index.truncate(hashes, rng.randint(0, len(hashes)))
+        elif operation < 0.9:
+            index.capacity_blocks = rng.randint(1, 80)
+        elif operation < 0.95:
+            index.clear()
+        else:
+            assert 0 <= index.match(hashes) <= len(hashes)
+        index.check_invariants()
