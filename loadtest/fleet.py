@@ -154,9 +154,9 @@ class Fleet:
 
     def start_gateway(self, backends: Sequence[str], *, args: Sequence[str] = (),
                       env: Mapping[str, str] | None = None, name: str = "gateway",
-                      ready_path: str = "/ready") -> Process:
+                      ready_path: str = "/ready", port: int | None = None) -> Process:
         """The gateway in front of `backends`; `ready_path="/health"` for one that is not meant to be ready."""
-        port = free_port()
+        port = port or free_port()
         argv = [sys.executable, "-m", "gateway", "serve", "--host", LOOPBACK, "--port", str(port)]
         for backend in backends:
             argv += ["--backend", backend]
