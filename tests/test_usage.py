@@ -1,0 +1,45 @@
+import json
+
+from gateway.usage import Usage, UsageTap, usage_from
+
+
+def sse(*events: object) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+
+
+def test_reads_openai_sglang_and_llama_cpp_shapes() -> None:
+    assert usage_from({"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 4}}}) == Usage(9, 4)
+    assert usage_from({"usage": {"prompt_tokens": 9}}) == Usage(9, None)
+    assert usage_from({"meta_info": {"prompt_tokens": 7, "cached_tokens": 3}}) == Usage(7, 3)
+    assert usage_from({"usage": {"prompt_tokens": 9}, "timings": {"cache_n": 6, "prompt_n": 3}}) == Usage(9, 6)
+    assert usage_from({"timings": {"cache_n": 6, "prompt_n": 3}}) == Usage(9, 6)
+    assert usage_from({"choices": []}) is None
+
+
+def test_stream_usage_comes_from_the_last_usage_event_whatever_the_chunking() -> None:
+    stream = sse({"choices": [{"delta": {"content": "a"}}]},
+                 {"choices": [], "usage": {"prompt_tokens": 50, "prompt_tokens_details": {"cached_tokens": 32}}},
+                 b"[DONE]")
+    for size in (1, 7, 64, len(stream)):
+        tap = UsageTap(streaming=True)
+        for start in range(0, len(stream), size):
+            tap.feed(stream[start:start + size])
+        assert tap.usage() == Usage(50, 32)
+
+
+def test_sglang_generate_stream_takes_the_final_meta_info() -> None:
+    tap = UsageTap(streaming=True)
+    tap.feed(sse({"text": "a", "meta_info": {"prompt_tokens": 5, "cached_tokens": 0}},
+                 {"text": "ab", "meta_info": {"prompt_tokens": 5, "cached_tokens": 2}}, b"[DONE]"))
+    assert tap.usage() == Usage(5, 2)
+
+
+def test_non_stream_body_is_parsed_once_at_the_end_and_junk_is_ignored() -> None:
+    tap = UsageTap(streaming=False)
+    body = json.dumps({"usage": {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 0}}}).encode()
+    tap.feed(body[:5])
+    tap.feed(body[5:])
+    assert tap.usage() == Usage(3, 0)
+    junk = UsageTap(streaming=False)
+    junk.feed(b"<html>")
+    assert junk.usage() is None
