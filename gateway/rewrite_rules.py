@@ -1,0 +1,279 @@
+"""The rules that find volatile spans in prompt text, and the text surgery that takes them out.
+
+This module works on plain strings; `gateway/rewrite.py` decides which strings of a request body are searched
+and where the moved spans go.
+
+Built-in rules, in priority order (when two rules could match at the same place, the earlier one wins; user
+rules from the config come before all of them):
+
+=================  ================================================================================  ===========
+rule               what it matches                                                                   example
+=================  ================================================================================  ===========
+``billing_header`` a Claude-Code ``x-anthropic-billing-header:`` line, from the key to the end of line  ``x-anthropic-billing-header: cc_version=1.0.83.abc; cc_entrypoint=cli; cch=7f3a;``
+``id_line``        ``key: value`` / ``key=value`` whose key names a request-scoped ID; the span is the    ``Request ID: 8f1c-22``
+                   whole ``key: value``. Keys (any case, ``x-`` prefix allowed, words joined by space,
+                   ``_``, ``-`` or nothing): request/req/correlation/conversation/conv/run/span/trace/
+                   session/message/msg/call/transaction/txn/job/invocation/execution/thread/turn/chat
+                   followed by id/uuid/guid/hash/key/token, or alone: session, trace, nonce,
+                   timestamp, time stamp, cache buster. The value is an ISO date-time or one token
+                   (up to whitespace or one of ``,;|&'"`()<>[]{}``, trailing ``.``/``:`` not
+                   included) with at least 4 characters and a digit — ``Session: active`` stays.
+``iso_datetime``   ISO-8601 / RFC 3339 date and time (``T``, ``t`` or space between them), optional   ``2024-05-01T10:00:00.123Z``
+                   seconds, fraction, and zone (``Z``, ``+02:00``, ``+0200``, `` UTC``). Dates alone
+                   are not matched.
+``uuid``           8-4-4-4-12 hex, any case                                                          ``8f1c2d3e-4b5a-4c6d-9e8f-0a1b2c3d4e5f``
+``ulid``           26 Crockford base-32 characters, first ``0``-``7``, at least one letter            ``01HZX3K4M5N6P7Q8R9S0T1V2W3``
+``epoch``          Unix seconds (10 digits) or milliseconds (13 digits) from 2001-09 to 2033-05       ``1715000000``, ``1715000000123``,
+                   (a leading ``1``), optionally seconds with a 3-9 digit fraction                    ``1715000000.123``
+``hex_nonce``      16 or more hex digits containing both a digit and a letter, optional ``0x``         ``7f3a9c1e5b2d4f60a8e1``
+``base64_nonce``   20 or more base64/base64url characters (``A-Za-z0-9+/_-``, ``=`` padding) with an   ``Zk9xR2tTbDN1V0hQcWE4``
+                   upper-case letter, a lower-case letter and a digit, whose character class
+                   (upper/lower/digit) changes between at least 40% of adjacent pairs — random
+                   tokens do, identifiers and paths (``getUserAccount2``, ``/home/User1/src``) do not.
+=================  ================================================================================  ===========
+
+Every rule except ``id_line``/``billing_header`` needs a non-word character (or the text's edge) on both
+sides, so nothing is found inside a longer word or number: ``v1.2.3``, ``3.11.7``, ``deadbeef``, a 7-char
+git SHA, ``$1234567890.00``, ``+1 415 555 0100``, ``internationalization`` are all left alone.
+
+Removing a span keeps the text around it clean; only whitespace is ever removed beside a span (punctuation
+stays):
+
+- a line left blank by the removal is dropped with its newline (``"Request ID: 8f1c-22\\nYou are..."`` →
+  ``"You are..."``); a dropped last line takes the preceding newline with it;
+- a span at the start of a line takes the blanks after it (``"8f1c... You are"`` → ``"You are"``);
+- a span at the end of a line takes the blanks before it (``"Session 8f1c..."`` → ``"Session"``);
+- a span between blanks takes the blanks after it (``"id 8f1c... ok"`` → ``"id ok"``); a span between other
+  characters is removed alone (``"(8f1c...)"`` → ``"()"``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Action(str, Enum):
+    MOVE = "move"     # take the span out of the prefix and append it, labelled, at the end of the prompt
+    STRIP = "strip"   # remove it
+    KEEP = "keep"     # leave it; only count it
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """A user rule: a regex without capturing groups; ``action`` None means the config's default action."""
+
+    name: str
+    pattern: str
+    action: Action | None = None
+
+
+@dataclass(frozen=True)
+class SpanHit:
+    rule: str
+    action: Action
+
+
+Check = Callable[["re.Match[str]"], bool]
+
+
+@dataclass(frozen=True)
+class _Builtin:
+    name: str
+    pattern: str
+    check: Check | None = None
+
+
+_DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9](?::(?:[0-5][0-9]|60)(?:[.,][0-9]{1,9})?)?"
+_ZONE = r"(?:[Zz]|[+-](?:[01][0-9]|2[0-3])(?::?[0-5][0-9])?|[ ]?(?:UTC|GMT))?"
+_ISO = _DATE + r"[Tt ]" + _TIME + _ZONE + r"(?![\w:]|[.,][0-9])"
+_ID_WORDS = ("request|req|correlation|corr|conversation|conv|run|span|trace|session|sess|message|msg|call"
+             "|transaction|txn|job|invocation|execution|thread|turn|chat")
+_ID_KEY = (r"(?i:(?:x-)?(?:(?:" + _ID_WORDS + r")[ _-]?(?:id|uuid|guid|hash|key|token)"
+           r"|session|trace|nonce|timestamp|time[ _-]?stamp|cache[ _-]?buster))")
+_TOKEN_CHAR = r"[^\s,;|&'\"`()<>\[\]{}]"
+_ID_VALUE = r"(?P<idval>" + _ISO + "|" + _TOKEN_CHAR + r"*[^\s,;|&'\"`()<>\[\]{}.:])"
+_B64_CLASS = str.maketrans(
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789",
+    "U" * 26 + "l" * 26 + "d" * 10,
+)
+
+
+def _id_value_ok(match: re.Match[str]) -> bool:
+    value = match.group("idval")
+    return len(value) >= 4 and any(c.isdigit() for c in value)
+
+
+def _looks_random(match: re.Match[str]) -> bool:
+    # Random base64 switches class (upper/lower/digit) between ~58% of adjacent pairs; words, camelCase
+    # identifiers and paths switch far less often. Symbols (+/_-) neither count nor break a pair.
+    classes = match.group().rstrip("=").translate(_B64_CLASS)
+    if not ("U" in classes and "l" in classes and "d" in classes):
+        return False
+    switches = sum(1 for a, b in zip(classes, classes[1:]) if a != b and a in "Uld" and b in "Uld")
+    return switches >= 0.4 * (len(classes) - 1)
+
+
+BUILTINS: tuple[_Builtin, ...] = (
+    _Builtin("billing_header", r"(?<![\w-])(?i:x-anthropic-billing-header)[ \t]*:[^\r\n]*"),
+    _Builtin("id_line", r"(?<![\w-])" + _ID_KEY + r"[ \t]*[:=][ \t]*" + _ID_VALUE, _id_value_ok),
+    _Builtin("iso_datetime", r"(?<![\w.:/-])" + _ISO),
+    _Builtin("uuid", r"(?<!\w)[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}(?!\w)"),
+    _Builtin("ulid", r"(?<!\w)(?=[0-9]{0,25}[A-Za-z])[0-7][0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]{25}(?!\w)"),
+    _Builtin("epoch", r"(?<![\w.,$€£¥+-])1[0-9]{9}(?:[0-9]{3}|\.[0-9]{3,9})?(?![\w]|[.,][0-9])"),
+    _Builtin("hex_nonce",
+             r"(?<!\w)(?:0[xX])?(?=[0-9A-Fa-f]*[A-Fa-f])(?=[0-9A-Fa-f]*[0-9])[0-9A-Fa-f]{16,}(?!\w)"),
+    _Builtin("base64_nonce", r"(?<![\w+/=-])[A-Za-z0-9+/_-]{20,}={0,2}(?![\w+/=-])", _looks_random),
+)
+BUILTIN_RULE_NAMES: tuple[str, ...] = tuple(rule.name for rule in BUILTINS)
+
+# A span must start inside the window but may end past it; the regex sees this much text beyond the window
+# edge, so a span longer than this that starts near the edge is cut at it (the rest is found on the next
+# pass). Matches ending this close to the search end are re-checked on the full text, because a lookahead
+# there could not see the characters that follow.
+MAX_SPAN_CHARS = 512
+_LOOKAHEAD_SLACK = 8
+_LEADING_FLAGS = re.compile(r"\A\(\?([aiLmsux]+)\)")
+_HWS = " \t"
+
+
+def embeddable(pattern: str) -> str:
+    """The user pattern as one alternative of the combined regex: leading global flags become scoped ones."""
+    flags = _LEADING_FLAGS.match(pattern)
+    if flags is None:
+        return pattern
+    return f"(?{flags.group(1)}:{pattern[flags.end():]})"
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    pattern: str
+    action: Action
+    check: Check | None = None
+
+
+@dataclass(frozen=True)
+class TextRewrite:
+    """One searched string after one pass: its new text, the spans to move (in order) and every hit."""
+
+    text: str
+    moved: tuple[str, ...]
+    hits: tuple[SpanHit, ...]
+    changed: bool
+
+
+class RuleSet:
+    """All active rules compiled into one alternation, so each string is scanned once."""
+
+    def __init__(self, rules: Sequence[Rule]) -> None:
+        self.rules = tuple(rules)
+        source = "|".join(f"(?P<r{i}>{rule.pattern})" for i, rule in enumerate(self.rules))
+        self._regex = re.compile(source) if self.rules else None
+        self._rule_at_group = {} if self._regex is None else {
+            self._regex.groupindex[f"r{i}"]: rule for i, rule in enumerate(self.rules)}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(rule.name for rule in self.rules)
+
+    def rewrite(self, text: str, budget: int, can_move: bool) -> TextRewrite:
+        """Act on every span starting within ``budget`` characters of the text as rewritten."""
+        spans: list[tuple[int, int]] = []
+        moved: list[str] = []
+        hits: list[SpanHit] = []
+        pos, removed = 0, 0
+        while (found := self._next(text, pos, budget + removed)) is not None:
+            rule, start, end = found
+            action = Action.KEEP if rule.action is Action.MOVE and not can_move else rule.action
+            hits.append(SpanHit(rule.name, action))
+            pos = end
+            if action is Action.KEEP:
+                continue
+            spans.append((start, end))
+            removed += end - start
+            if action is Action.MOVE:
+                moved.append(text[start:end])
+        if not spans:
+            return TextRewrite(text, (), tuple(hits), False)
+        return TextRewrite(cut(text, spans), tuple(moved), tuple(hits), True)
+
+    def _next(self, text: str, pos: int, limit: int) -> tuple[Rule, int, int] | None:
+        if self._regex is None:
+            return None
+        size = len(text)
+        endpos = min(size, limit + MAX_SPAN_CHARS)
+        while pos < limit:
+            match = self._regex.search(text, pos, endpos)
+            if match is None or match.start() >= limit:
+                return None
+            if endpos < size and match.end() > endpos - _LOOKAHEAD_SLACK:
+                match = self._regex.match(text, match.start())
+                if match is None:
+                    pos += 1
+                    continue
+            start, end = match.span()
+            rule = self._rule_at_group[match.lastindex or 0]
+            if end > start and (rule.check is None or rule.check(match)):
+                return rule, start, end
+            pos = start + 1
+        return None
+
+
+def cut(text: str, spans: Sequence[tuple[int, int]]) -> str:
+    """Remove sorted, non-overlapping spans, tidying the whitespace of the lines they sit on."""
+    out: list[str] = []
+    cursor, i, size = 0, 0, len(text)
+    dropped_last_line = False
+    while i < len(spans):
+        line_start = text.rfind("\n", 0, spans[i][0]) + 1
+        line_end = _line_end(text, spans[i][1])
+        j = i + 1
+        while j < len(spans) and spans[j][0] <= line_end:  # spans sharing a line are tidied together
+            line_end = max(line_end, _line_end(text, spans[j][1]))
+            j += 1
+        out.append(text[cursor:line_start])
+        tidy = _tidy_line(text, line_start, line_end, spans[i:j])
+        if tidy is None:
+            cursor = line_end + 1 if line_end < size else size
+            dropped_last_line = line_end >= size
+        else:
+            out.append(tidy)
+            cursor = line_end
+        i = j
+    out.append(text[cursor:])
+    result = "".join(out)
+    if dropped_last_line and cursor >= size:
+        # "...\nRequest ID: x" becomes "..." rather than "...\n".
+        result = result[:-2] if result.endswith("\r\n") else result.removesuffix("\n")
+    return result
+
+
+def _line_end(text: str, pos: int) -> int:
+    end = text.find("\n", pos)
+    return len(text) if end < 0 else end
+
+
+def _blank(text: str) -> bool:
+    return not text.strip(" \t\r")
+
+
+def _tidy_line(text: str, start: int, end: int, spans: Sequence[tuple[int, int]]) -> str | None:
+    """The line(s) text[start:end] without the spans, or None when nothing but blanks would remain."""
+    bounds = [start, *(edge for span in spans for edge in span), end]
+    pieces = [text[bounds[k]:bounds[k + 1]] for k in range(0, len(bounds), 2)]
+    result = pieces[0]
+    for piece in pieces[1:]:
+        line_so_far = result[result.rfind("\n") + 1:]
+        if _blank(line_so_far):            # span opened the line: keep indentation, drop the gap after it
+            piece = piece.lstrip(_HWS)
+        elif _blank(piece):                # span closed the line: drop the gap before it
+            result = result.rstrip(_HWS)
+            piece = piece.lstrip(_HWS)
+        elif result and result[-1] in _HWS and piece and piece[0] in _HWS:
+            piece = piece.lstrip(_HWS)     # span between two gaps: keep one
+        result += piece
+    return None if _blank(result) else result
