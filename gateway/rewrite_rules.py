@@ -6,31 +6,28 @@ and where the moved spans go.
 Built-in rules, in priority order (when two rules could match at the same place, the earlier one wins; user
 rules from the config come before all of them):
 
-=================  ================================================================================  ===========
-rule               what it matches                                                                   example
-=================  ================================================================================  ===========
-``billing_header`` a Claude-Code ``x-anthropic-billing-header:`` line, from the key to the end of line  ``x-anthropic-billing-header: cc_version=1.0.83.abc; cc_entrypoint=cli; cch=7f3a;``
-``id_line``        ``key: value`` / ``key=value`` whose key names a request-scoped ID; the span is the    ``Request ID: 8f1c-22``
-                   whole ``key: value``. Keys (any case, ``x-`` prefix allowed, words joined by space,
-                   ``_``, ``-`` or nothing): request/req/correlation/conversation/conv/run/span/trace/
-                   session/message/msg/call/transaction/txn/job/invocation/execution/thread/turn/chat
-                   followed by id/uuid/guid/hash/key/token, or alone: session, trace, nonce,
-                   timestamp, time stamp, cache buster. The value is an ISO date-time or one token
-                   (up to whitespace or one of ``,;|&'"`()<>[]{}``, trailing ``.``/``:`` not
-                   included) with at least 4 characters and a digit — ``Session: active`` stays.
-``iso_datetime``   ISO-8601 / RFC 3339 date and time (``T``, ``t`` or space between them), optional   ``2024-05-01T10:00:00.123Z``
-                   seconds, fraction, and zone (``Z``, ``+02:00``, ``+0200``, `` UTC``). Dates alone
-                   are not matched.
-``uuid``           8-4-4-4-12 hex, any case                                                          ``8f1c2d3e-4b5a-4c6d-9e8f-0a1b2c3d4e5f``
-``ulid``           26 Crockford base-32 characters, first ``0``-``7``, at least one letter            ``01HZX3K4M5N6P7Q8R9S0T1V2W3``
-``epoch``          Unix seconds (10 digits) or milliseconds (13 digits) from 2001-09 to 2033-05       ``1715000000``, ``1715000000123``,
-                   (a leading ``1``), optionally seconds with a 3-9 digit fraction                    ``1715000000.123``
-``hex_nonce``      16 or more hex digits containing both a digit and a letter, optional ``0x``         ``7f3a9c1e5b2d4f60a8e1``
-``base64_nonce``   20 or more base64/base64url characters (``A-Za-z0-9+/_-``, ``=`` padding) with an   ``Zk9xR2tTbDN1V0hQcWE4``
-                   upper-case letter, a lower-case letter and a digit, whose character class
-                   (upper/lower/digit) changes between at least 40% of adjacent pairs — random
-                   tokens do, identifiers and paths (``getUserAccount2``, ``/home/User1/src``) do not.
-=================  ================================================================================  ===========
+- ``billing_header``: a Claude-Code ``x-anthropic-billing-header:`` line, from the key to the end of the line.
+  ``x-anthropic-billing-header: cc_version=1.0.83.abc; cc_entrypoint=cli; cch=7f3a;``
+- ``id_line``: ``key: value`` or ``key=value`` whose key names a request-scoped ID; the span is the whole
+  ``key: value``. Keys, any case, with an optional ``x-`` prefix and words joined by a space, ``_``, ``-`` or
+  nothing: request, req, correlation, corr, conversation, conv, run, span, trace, session, sess, message, msg,
+  call, transaction, txn, job, invocation, execution, thread, turn or chat followed by id, uuid, guid, hash,
+  key or token; or alone: session, trace, nonce, timestamp, time stamp, cache buster. The value is an ISO
+  date-time or one token (up to whitespace or one of ``,;|&'"`()<>[]{}``, without a trailing ``.`` or ``:``)
+  of at least 4 characters with a digit, so ``Session: active`` stays. ``Request ID: req_8f1c22``
+- ``iso_datetime``: an ISO-8601 / RFC 3339 date and time (``T``, ``t`` or a space between them), optional
+  seconds, fraction and zone (``Z``, ``+02:00``, ``+0200``, `` UTC``); a date alone is not matched.
+  ``2024-05-01T10:00:00.123Z``
+- ``uuid``: 8-4-4-4-12 hex digits, any case. ``8f1c2d3e-4b5a-4c6d-9e8f-0a1b2c3d4e5f``
+- ``ulid``: 26 Crockford base-32 characters, the first ``0``-``7``, at least one letter.
+  ``01HZX3K4M5N6P7Q8R9S0T1V2W3``
+- ``epoch``: Unix seconds (10 digits) or milliseconds (13 digits) between 2001-09 and 2033-05 (a leading
+  ``1``), or seconds with a 3-9 digit fraction. ``1715000000``, ``1715000000123``, ``1715000000.123``
+- ``hex_nonce``: 16 or more hex digits with both a digit and a letter, optional ``0x``. ``7f3a9c1e5b2d4f60a8e1``
+- ``base64_nonce``: 20 or more base64/base64url characters (``A-Za-z0-9+/_-``, ``=`` padding) with an
+  upper-case letter, a lower-case letter and a digit, whose class (upper/lower/digit) changes between at least
+  40% of adjacent pairs: random tokens do, identifiers and paths (``getUserAccount2``, ``/home/User1/src``)
+  do not. ``Zk9xR2tTbDN1V0hQcWE4``
 
 Every rule except ``id_line``/``billing_header`` needs a non-word character (or the text's edge) on both
 sides, so nothing is found inside a longer word or number: ``v1.2.3``, ``3.11.7``, ``deadbeef``, a 7-char
@@ -43,8 +40,10 @@ stays):
   ``"You are..."``); a dropped last line takes the preceding newline with it;
 - a span at the start of a line takes the blanks after it (``"8f1c... You are"`` → ``"You are"``);
 - a span at the end of a line takes the blanks before it (``"Session 8f1c..."`` → ``"Session"``);
-- a span between blanks takes the blanks after it (``"id 8f1c... ok"`` → ``"id ok"``); a span between other
-  characters is removed alone (``"(8f1c...)"`` → ``"()"``).
+- a span between blanks takes the blanks after it (``"id 8f1c... ok"`` → ``"id ok"``);
+- a span after a blank and before closing punctuation (``.,;:!?)]}``) takes the blanks before it
+  (``"started at 2024-05-01T10:00:00Z."`` → ``"started at."``);
+- a span between other characters is removed alone (``"(8f1c...)"`` → ``"()"``).
 """
 
 from __future__ import annotations
@@ -138,6 +137,7 @@ MAX_SPAN_CHARS = 512
 _LOOKAHEAD_SLACK = 8
 _LEADING_FLAGS = re.compile(r"\A\(\?([aiLmsux]+)\)")
 _HWS = " \t"
+_CLOSING = tuple(".,;:!?)]}")
 
 
 def embeddable(pattern: str) -> str:
@@ -223,6 +223,27 @@ class RuleSet:
         return None
 
 
+# The trailer that carries moved spans; its format is documented in gateway/rewrite.py.
+MARKER = "[prefix-gateway: moved from prompt start]"
+_TRAILER_START = "\n\n" + MARKER + "\n"
+
+
+def split_trailer(text: str) -> tuple[str, str]:
+    """(text before the trailer, the trailer or "")."""
+    if text.startswith(MARKER + "\n"):
+        return "", text
+    start = text.rfind(_TRAILER_START)
+    return (text, "") if start < 0 else (text[:start], text[start:])
+
+
+def with_trailer(body: str, trailer: str, moved: Sequence[str]) -> str:
+    if not moved:
+        return body + trailer
+    if not trailer:
+        trailer = ("\n\n" if body else "") + MARKER
+    return body + trailer + "".join("\n" + span for span in moved)
+
+
 def cut(text: str, spans: Sequence[tuple[int, int]]) -> str:
     """Remove sorted, non-overlapping spans, tidying the whitespace of the lines they sit on."""
     out: list[str] = []
@@ -275,5 +296,7 @@ def _tidy_line(text: str, start: int, end: int, spans: Sequence[tuple[int, int]]
             piece = piece.lstrip(_HWS)
         elif result and result[-1] in _HWS and piece and piece[0] in _HWS:
             piece = piece.lstrip(_HWS)     # span between two gaps: keep one
+        elif result and result[-1] in _HWS and piece[:1] in _CLOSING:
+            result = result.rstrip(_HWS)   # "at <span>." reads "at.", not "at ."
         result += piece
     return None if _blank(result) else result

@@ -1,0 +1,417 @@
+"""Move request IDs, nonces and timestamps off the start of a prompt so the prefix cache can match it.
+
+A request ID at the top of a system prompt makes every prompt unique from its first tokens: the engine reports
+``cached_tokens: 0`` and a prefix router loses affinity. SGLang's advice is "move the ID to the end or remove
+it"; this step does that before routing. The rules themselves are in `gateway/rewrite_rules.py`.
+
+What is searched (the *head*): in a chat, the system and developer messages and the first user message, up to
+and including that first user message (``content`` as a string, or the ``text`` of ``{"type": "text"}``
+parts; other parts are never touched); a completion ``prompt`` or a ``/generate`` ``text`` (a string, or each
+string of a list — every string of a list is a separate prompt of a batch, with its own window and trailer;
+token-id lists and ``input_ids`` are never touched). Embedding requests are never rewritten: it would change
+the vector.
+
+The window: only spans that *start* within the first ``window_chars`` characters (default 2048) of the prompt
+text are acted on, counting the text of the head's messages in order (non-searched messages in the head, such
+as a leading assistant message, count but are not searched). The window is measured on the rewritten text:
+text that slides into the window because a span before it was removed is searched too, until nothing is left
+to act on. That is what makes a rewrite idempotent.
+
+Actions: ``move`` (default) removes the span and appends it at the end of the prompt — the end of the last
+message of a chat (its string content, its last text part, or a new text part when its content array has
+none), or the end of the prompt string — in a trailer:
+
+    <prompt text>\\n\\n[prefix-gateway: moved from prompt start]\\n<span 1>\\n<span 2>...
+
+The *label* is the blank line before the marker (omitted when the text before it is empty), the marker line
+``[prefix-gateway: moved from prompt start]``, and the newline before each span; everything after the marker
+line is the moved spans, verbatim and in prompt order. A trailer is recognised by its marker: the text from
+the last ``\\n\\n[prefix-gateway: moved from prompt start]\\n`` (or a text starting with the marker line) is
+never searched, and spans moved by a later rewrite are appended to it as more lines. ``strip`` removes the
+span; ``keep`` leaves it and only counts it. If a chat's last message cannot hold a trailer (content of an
+unknown type), ``move`` acts as ``keep``.
+
+Examples (``move``; the id_line rule takes the whole ``key: value``, so no dangling ``Request ID:`` remains):
+
+    "Request ID: 8f1c2d3e-4b5a-4c6d-9e8f-0a1b2c3d4e5f\\nYou are a helpful assistant."
+    -> "You are a helpful assistant.\\n\\n[prefix-gateway: moved from prompt start]\\n"
+       "Request ID: 8f1c2d3e-4b5a-4c6d-9e8f-0a1b2c3d4e5f"
+    "Session 8f1c2d3e-4b5a-4c6d-9e8f-0a1b2c3d4e5f started at 2024-05-01T10:00:00Z. Be brief."
+    -> "Session started at. Be brief.\\n\\n[prefix-gateway: moved from prompt start]\\n"
+       "8f1c2d3e-4b5a-4c6d-9e8f-0a1b2c3d4e5f\\n2024-05-01T10:00:00Z"
+
+In a chat the head does not change from turn to turn, so the rewritten messages before the last one are the
+same on every turn: turn k's rewritten prompt, up to its last message, is a prefix of turn k+1's.
+
+Config, the ``[rewrite]`` table (every key optional; unknown keys, wrong types, unknown rule names, bad
+actions and bad regexes are errors that name the key and the value):
+
+    [rewrite]
+    enabled = true             # global switch; a model listed in [rewrite.models] overrides it
+    window_chars = 2048        # spans must start within this many characters of the prompt text
+    default_action = "move"    # move | strip | keep
+    disable = ["epoch"]        # built-in rules to turn off
+    [rewrite.actions]          # per-rule action, built-in or user rule
+    iso_datetime = "strip"
+    [[rewrite.rules]]          # user rules come before the built-ins; no capturing groups (use (?:...))
+    name = "ticket"
+    pattern = "TICKET-[0-9]{4,}"
+    action = "move"            # optional: [rewrite.actions], then this, then default_action
+    [rewrite.models]
+    "my-embedding-model" = false
+
+A request opts out with the header ``x-gateway-rewrite: off`` (see `enabled_for`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from gateway.errors import BadRequest, ConfigError
+from gateway.prompts import Endpoint
+from gateway.rewrite_rules import (BUILTIN_RULE_NAMES, BUILTINS, MARKER, Action, Rule, RuleSet, RuleSpec,
+                                   SpanHit, embeddable, split_trailer, with_trailer)
+
+__all__ = ["Action", "BUILTIN_RULE_NAMES", "MARKER", "OPT_OUT_HEADER", "RewriteConfig", "RewriteResult",
+           "Rewriter", "RuleSpec", "SpanHit", "enabled_for"]
+
+OPT_OUT_HEADER = "x-gateway-rewrite"
+_RULE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_TABLE_KEYS = ("enabled", "window_chars", "default_action", "disable", "actions", "rules", "models")
+_RULE_KEYS = ("name", "pattern", "action")
+
+
+@dataclass(frozen=True)
+class RewriteConfig:
+    enabled: bool = True
+    window_chars: int = 2048
+    default_action: Action = Action.MOVE
+    actions: Mapping[str, Action] = field(default_factory=dict)
+    disabled: frozenset[str] = frozenset()
+    custom_rules: tuple[RuleSpec, ...] = ()
+    models: Mapping[str, bool] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "actions", MappingProxyType(dict(self.actions)))
+        object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
+        if type(self.window_chars) is not int or self.window_chars < 1:
+            raise ConfigError(f"rewrite.window_chars: must be a positive integer (got {self.window_chars!r})")
+        for name in sorted(self.disabled):
+            if name not in BUILTIN_RULE_NAMES:
+                raise ConfigError(f"rewrite.disable: {name!r} is not a built-in rule "
+                                  f"(built-ins: {', '.join(BUILTIN_RULE_NAMES)})")
+        names = set(BUILTIN_RULE_NAMES)
+        for index, spec in enumerate(self.custom_rules):
+            _check_rule(index, spec, names)
+            names.add(spec.name)
+        for name in self.actions:
+            if name not in names:
+                raise ConfigError(f"rewrite.actions.{name}: no rule has this name (got {name!r})")
+
+    @classmethod
+    def from_toml(cls, table: Mapping[str, Any]) -> RewriteConfig:
+        """Build from the parsed ``[rewrite]`` table; strict about keys and types."""
+        _check_keys(table, _TABLE_KEYS, "rewrite")
+        disabled = _str_list(table.get("disable", []), "rewrite.disable")
+        for index, name in enumerate(disabled):
+            if name not in BUILTIN_RULE_NAMES:
+                raise ConfigError(f"rewrite.disable[{index}]: not a built-in rule (got {name!r}; "
+                                  f"built-ins: {', '.join(BUILTIN_RULE_NAMES)})")
+        actions = _table(table.get("actions", {}), "rewrite.actions")
+        models = _table(table.get("models", {}), "rewrite.models")
+        return cls(
+            enabled=_bool(table.get("enabled", True), "rewrite.enabled"),
+            window_chars=_int(table.get("window_chars", 2048), "rewrite.window_chars"),
+            default_action=_action(table.get("default_action", "move"), "rewrite.default_action"),
+            actions={name: _action(value, f"rewrite.actions.{name}") for name, value in actions.items()},
+            disabled=frozenset(disabled),
+            custom_rules=_rule_specs(table.get("rules", []), "rewrite.rules"),
+            models={name: _bool(value, f"rewrite.models.{name}") for name, value in models.items()},
+        )
+
+
+@dataclass(frozen=True)
+class RewriteResult:
+    body: dict[str, Any] | None   # None: the request goes upstream as it came
+    hits: tuple[SpanHit, ...]
+
+    @property
+    def moved(self) -> int:
+        return sum(1 for hit in self.hits if hit.action is Action.MOVE)
+
+
+def enabled_for(headers: Mapping[str, str]) -> bool:
+    """False when the request says ``x-gateway-rewrite: off``; ``on`` or no header means rewrite."""
+    value = headers.get(OPT_OUT_HEADER)
+    if value is None:  # plain dicts keep the client's spelling; Starlette's Headers are already case-blind
+        value = next((v for k, v in headers.items() if k.lower() == OPT_OUT_HEADER), None)
+    if value is None or value.strip().lower() == "on":
+        return True
+    if value.strip().lower() == "off":
+        return False
+    raise BadRequest(f"Header {OPT_OUT_HEADER} must be 'on' or 'off' (got {value!r}).", param=OPT_OUT_HEADER)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One string of a chat's head: messages[index].content, or its text part ``part``."""
+
+    index: int
+    part: int | None
+    text: str
+    searchable: bool
+
+
+@dataclass(frozen=True)
+class _Host:
+    """Where a chat's trailer goes; ``part == len(content)`` means a new text part."""
+
+    index: int
+    part: int | None
+    body: str
+    trailer: str
+
+
+class Rewriter:
+    def __init__(self, config: RewriteConfig) -> None:
+        self._config = config
+        rules = [Rule(spec.name, embeddable(spec.pattern),
+                      config.actions.get(spec.name, spec.action or config.default_action))
+                 for spec in config.custom_rules]
+        rules += [Rule(rule.name, rule.pattern, config.actions.get(rule.name, config.default_action), rule.check)
+                  for rule in BUILTINS if rule.name not in config.disabled]
+        self._rules = RuleSet(rules)
+
+    @property
+    def rule_names(self) -> tuple[str, ...]:
+        """Active rules in priority order (user rules first), for metrics labels and --help."""
+        return self._rules.names
+
+    def applies(self, endpoint: Endpoint, model: str | None, opted_out: bool = False) -> bool:
+        if opted_out or not endpoint.generates or not self._rules.rules:
+            return False
+        return self._config.models.get(model, self._config.enabled) if model is not None else self._config.enabled
+
+    def rewrite(self, endpoint: Endpoint, body: Mapping[str, Any], model: str | None,
+                opted_out: bool = False) -> RewriteResult:
+        if not self.applies(endpoint, model, opted_out):
+            return RewriteResult(None, ())
+        if endpoint is Endpoint.CHAT:
+            return self._rewrite_chat(body)
+        return self._rewrite_prompts(body, "prompt" if endpoint is Endpoint.COMPLETION else "text")
+
+    def _rewrite_prompts(self, body: Mapping[str, Any], key: str) -> RewriteResult:
+        value = body.get(key)
+        prompts = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+        new_prompts = list(prompts)
+        hits: list[SpanHit] = []
+        changed = False
+        for index, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                text, trailer = split_trailer(prompt)
+                texts, moved, prompt_hits = self._rewrite_texts([text], [True], can_move=True)
+                hits += prompt_hits
+                if texts[0] != text:
+                    new_prompts[index] = with_trailer(texts[0], trailer, moved)
+                    changed = True
+        if not changed:
+            return RewriteResult(None, tuple(hits))
+        new_body = dict(body)
+        new_body[key] = new_prompts[0] if isinstance(value, str) else new_prompts
+        return RewriteResult(new_body, tuple(hits))
+
+    def _rewrite_chat(self, body: Mapping[str, Any]) -> RewriteResult:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return RewriteResult(None, ())
+        host = _chat_host(messages)
+        slots = _chat_head(messages, host)
+        texts, moved, hits = self._rewrite_texts([slot.text for slot in slots],
+                                                 [slot.searchable for slot in slots], can_move=host is not None)
+        changes = {(slot.index, slot.part): text for slot, text in zip(slots, texts) if text != slot.text}
+        if not changes:
+            return RewriteResult(None, tuple(hits))
+        if host is not None:
+            host_body = changes.get((host.index, host.part), host.body)
+            if moved or (host.index, host.part) in changes:
+                changes[(host.index, host.part)] = with_trailer(host_body, host.trailer, moved)
+        new_body = dict(body)
+        new_body["messages"] = _apply(messages, changes)
+        return RewriteResult(new_body, tuple(hits))
+
+    def _rewrite_texts(self, texts: list[str], searchable: list[bool],
+                       can_move: bool) -> tuple[list[str], list[str], list[SpanHit]]:
+        """Rewrite the strings of one prompt until a pass over the window finds nothing to act on."""
+        current = list(texts)
+        moved: list[str] = []
+        acted: list[SpanHit] = []
+        while True:
+            kept: list[SpanHit] = []
+            changed = False
+            budget = self._config.window_chars
+            for index, text in enumerate(current):
+                if budget <= 0:
+                    break
+                if searchable[index]:
+                    result = self._rules.rewrite(text, budget, can_move)
+                    kept += [hit for hit in result.hits if hit.action is Action.KEEP]
+                    if result.changed:
+                        changed = True
+                        current[index] = result.text
+                        moved += result.moved
+                        acted += [hit for hit in result.hits if hit.action is not Action.KEEP]
+                budget -= len(current[index])
+            if not changed:
+                return current, moved, acted + kept
+
+
+def _chat_host(messages: list[Any]) -> _Host | None:
+    last = messages[-1]
+    if not isinstance(last, Mapping):
+        return None
+    content = last.get("content")
+    if content is None or isinstance(content, str):
+        body, trailer = split_trailer(content or "")
+        return _Host(len(messages) - 1, None, body, trailer)
+    if not isinstance(content, list):
+        return None
+    for part in range(len(content) - 1, -1, -1):
+        text = _part_text(content[part])
+        if text is not None:
+            body, trailer = split_trailer(text)
+            return _Host(len(messages) - 1, part, body, trailer)
+    return _Host(len(messages) - 1, len(content), "", "")
+
+
+def _chat_head(messages: list[Any], host: _Host | None) -> list[_Slot]:
+    """The strings of the messages up to and including the first user message, in order."""
+    slots: list[_Slot] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            continue
+        role = message.get("role")
+        searchable = role in ("system", "developer", "user")
+        content = message.get("content")
+        parts = [(None, content)] if isinstance(content, str) else (
+            list(enumerate(_part_text(part) for part in content)) if isinstance(content, list) else [])
+        for part, text in parts:
+            if isinstance(text, str):
+                if host is not None and (host.index, host.part) == (index, part):
+                    text = host.body  # the trailer of an earlier rewrite is never searched
+                slots.append(_Slot(index, part, text, searchable))
+        if role == "user":
+            break
+    return slots
+
+
+def _part_text(part: Any) -> str | None:
+    if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        text: str = part["text"]
+        return text
+    return None
+
+
+def _apply(messages: list[Any], changes: Mapping[tuple[int, int | None], str]) -> list[Any]:
+    """A copy of messages with the changed strings replaced; untouched messages and parts are shared."""
+    by_message: dict[int, dict[int | None, str]] = {}
+    for (index, part), text in changes.items():
+        by_message.setdefault(index, {})[part] = text
+    new_messages = list(messages)
+    for index, parts in by_message.items():
+        message = dict(messages[index])
+        if None in parts:
+            message["content"] = parts[None]
+        else:
+            content = list(message["content"])
+            for part, text in sorted((part, text) for part, text in parts.items() if part is not None):
+                if part == len(content):
+                    content.append({"type": "text", "text": text})
+                else:
+                    content[part] = {**content[part], "text": text}
+            message["content"] = content
+        new_messages[index] = message
+    return new_messages
+
+
+def _check_rule(index: int, spec: RuleSpec, taken: set[str]) -> None:
+    key = f"rewrite.rules[{index}]"
+    if not _RULE_NAME.fullmatch(spec.name) or spec.name in taken:
+        why = "is already taken" if spec.name in taken else "must be letters, digits, '_', '.' or '-'"
+        raise ConfigError(f"{key}.name: {why} (got {spec.name!r})")
+    try:
+        compiled = re.compile(spec.pattern)
+        re.compile(embeddable(spec.pattern))
+    except re.error as exc:
+        raise ConfigError(f"{key}.pattern: invalid regular expression: {exc} (got {spec.pattern!r})") from exc
+    if compiled.groups:
+        raise ConfigError(f"{key}.pattern: capturing groups are not allowed, use (?:...) "
+                          f"(got {spec.pattern!r})")
+    if compiled.search("") is not None:
+        raise ConfigError(f"{key}.pattern: matches the empty string (got {spec.pattern!r})")
+
+
+def _rule_specs(value: Any, key: str) -> tuple[RuleSpec, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: must be an array of tables (got {value!r})")
+    specs = []
+    for index, entry in enumerate(value):
+        entry_key = f"{key}[{index}]"
+        entry = _table(entry, entry_key)
+        _check_keys(entry, _RULE_KEYS, entry_key)
+        for required in ("name", "pattern"):
+            if required not in entry:
+                raise ConfigError(f"{entry_key}.{required}: missing (got {dict(entry)!r})")
+        action = entry.get("action")
+        specs.append(RuleSpec(_str(entry["name"], f"{entry_key}.name"),
+                              _str(entry["pattern"], f"{entry_key}.pattern"),
+                              None if action is None else _action(action, f"{entry_key}.action")))
+    return tuple(specs)
+
+
+def _check_keys(table: Mapping[str, Any], known: Sequence[str], key: str) -> None:
+    for name in table:
+        if name not in known:
+            raise ConfigError(f"{key}.{name}: unknown key (got {name!r}; known: {', '.join(known)})")
+
+
+def _table(value: Any, key: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping) or not all(isinstance(name, str) for name in value):
+        raise ConfigError(f"{key}: must be a table (got {value!r})")
+    return value
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: must be true or false (got {value!r})")
+    return value
+
+
+def _int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key}: must be a positive integer (got {value!r})")
+    return value
+
+
+def _str(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: must be a string (got {value!r})")
+    return value
+
+
+def _str_list(value: Any, key: str) -> list[str]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: must be an array of strings (got {value!r})")
+    return [_str(item, f"{key}[{index}]") for index, item in enumerate(value)]
+
+
+def _action(value: Any, key: str) -> Action:
+    if isinstance(value, str):
+        try:
+            return Action(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{key}: must be one of {', '.join(action.value for action in Action)} (got {value!r})")
