@@ -11,6 +11,9 @@ is never older than its children, and a prefix loses its last blocks first and i
 order of SGLang's radix cache. Leaves wait in a heap keyed by last access; entries made stale by a later touch
 are skipped when popped (lazy deletion) and the heap is rebuilt when stale entries dominate.
 
+A running request pins its prefix with `lock()` (SGLang's lock_ref): locked blocks are never evicted, and the
+engine counts them against the pool. The load-test oracle never locks.
+
 Pure and synchronous: the engine and the load-test oracle both drive it; it never does I/O.
 """
 
@@ -18,12 +21,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 _ROOT_ID = 0
 
 
 class _Block:
-    __slots__ = ("key", "node_id", "parent", "children", "last_access")
+    __slots__ = ("key", "node_id", "parent", "children", "last_access", "locks")
 
     def __init__(self, key: tuple[int, tuple[int, ...]], node_id: int, parent: _Block | None, now: int) -> None:
         self.key = key
@@ -31,6 +35,15 @@ class _Block:
         self.parent = parent
         self.children = 0
         self.last_access = now
+        self.locks = 0
+
+
+@dataclass(frozen=True)
+class LockedPrefix:
+    """What `PrefixKVCache.lock` pinned; hand it back to `unlock`."""
+
+    blocks: tuple[_Block, ...]
+    tokens: int
 
 
 class PrefixKVCache:
@@ -44,6 +57,7 @@ class PrefixKVCache:
         self._blocks: dict[tuple[int, tuple[int, ...]], _Block] = {}
         self._leaf_heap: list[tuple[int, int, _Block]] = []
         self._clock = 0      # logical time: deterministic, and ties cannot happen
+        self._locked_blocks = 0
         self._next_id = 1
 
     @property
@@ -51,12 +65,32 @@ class PrefixKVCache:
         return len(self._blocks) * self.block_tokens
 
     @property
-    def num_blocks(self) -> int:
-        return len(self._blocks)
+    def locked_tokens(self) -> int:
+        return self._locked_blocks * self.block_tokens
 
     def clear(self) -> None:
+        """Forget everything, locked blocks included (their locks are then released as no-ops)."""
         self._blocks.clear()
         self._leaf_heap.clear()
+        self._locked_blocks = 0
+
+    def lock(self, tokens: Sequence[int]) -> LockedPrefix:
+        """Pin the cached prefix of `tokens` (as `lookup` measures it) against eviction until `unlock`."""
+        path = self._match(tokens)
+        self._touch(path)
+        for block in path:
+            if block.locks == 0:
+                self._locked_blocks += 1
+            block.locks += 1
+        return LockedPrefix(tuple(path), len(path) * self.block_tokens)
+
+    def unlock(self, locked: LockedPrefix) -> None:
+        for block in locked.blocks:
+            block.locks -= 1
+            if block.locks == 0 and self._blocks.get(block.key) is block:
+                self._locked_blocks -= 1
+                if block.children == 0:
+                    self._push_leaf(block)  # evictable again
 
     def lookup(self, tokens: Sequence[int]) -> int:
         """Number of leading tokens of `tokens` already cached (a multiple of block_tokens); touches them."""
@@ -142,6 +176,8 @@ class PrefixKVCache:
             access, _, block = entry
             if block.children or access != block.last_access or self._blocks.get(block.key) is not block:
                 continue  # stale entry: touched again since, gained a child, or already evicted
+            if block.locks:
+                continue  # pinned by a running request; unlock() puts it back
             if block is protected:
                 kept.append(entry)
                 continue

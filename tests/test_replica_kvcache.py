@@ -187,3 +187,18 @@ def test_render_chat_is_prefix_stable_across_turns(messages: list[dict[str, obje
         # And the tokens: all but the last partial chunk of the shorter text are shared.
         shared = len(shorter[:-len(GENERATION_PROMPT)]) // 4
         assert tokenize(longer)[:shared] == tokenize(shorter)[:shared]
+
+
+def test_locked_prefix_survives_eviction_until_unlocked() -> None:
+    cache = PrefixKVCache(capacity_tokens=4 * B, block_tokens=B)
+    cache.insert(seq(0, 2))
+    locked = cache.lock(seq(0, 2))
+    assert locked.tokens == 2 * B and cache.locked_tokens == 2 * B
+    cache.insert(seq(100, 4))                 # only the 2 unlocked blocks' worth fits
+    assert cache.lookup(seq(0, 2)) == 2 * B
+    assert cache.lookup(seq(100, 4)) == 2 * B
+    cache.unlock(locked)
+    assert cache.locked_tokens == 0
+    cache.insert(seq(200, 4))
+    assert cache.lookup(seq(0, 2)) == 0
+    check_invariants(cache)
