@@ -2,7 +2,7 @@
 
 `FaultSettings` is what the CLI flags and `POST /control/faults` set (same field names); `Faults` holds the
 current settings, the seeded random source that decides which requests fail (so a run is reproducible), and
-the event that hung requests wait on.
+the event that hung requests wait on. `DroppingEventStream` is the SSE response that carries out the drop.
 
 Latency is real time (milliseconds), not scaled by the replica's time_scale: it models the network or a
 stalled process, not the engine's work.
@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import random
 import time
 from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -98,3 +105,30 @@ class Faults:
         shown = dataclasses.asdict(self.settings)
         shown["unhealthy_remaining_s"] = round(max(0.0, self._unhealthy_until - time.monotonic()), 3)
         return shown
+
+
+class DroppingEventStream(StreamingResponse):
+    """SSE that can cut the connection after `drop_after` chunks (the drop fault) and always closes its source.
+
+    Returning without the final empty body leaves the response incomplete, so uvicorn closes the connection
+    and the client sees the stream break mid-body, as when an engine process dies.
+    """
+
+    def __init__(self, events: AsyncIterator[str], drop_after: int | None) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        self._events = events
+        self._drop_after = drop_after
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        sent = 0
+        try:
+            async for chunk in self._events:
+                if self._drop_after is not None and sent >= self._drop_after:
+                    logger.info("dropping the connection after %s chunks (fault)", sent)
+                    return
+                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                sent += 1
+        finally:
+            await self._events.aclose()  # type: ignore[attr-defined]
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

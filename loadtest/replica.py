@@ -1,0 +1,578 @@
+"""A simulated SGLang-compatible engine replica: the HTTP surface of `sglang serve`, backed by `loadtest.engine`.
+
+It answers what gateways and sglang-router touch: the OpenAI endpoints, SGLang's native `/generate`, the
+probes and info endpoints a router reads at registration (`/health`, `/server_info`, `/model_info`),
+`/get_load`, `/flush_cache` and Prometheus `/metrics`, plus `/control/faults` for fault injection. Every
+response carries `x-replica-id` (host:port) so a test can tell which replica served it.
+
+Run one replica with `python -m loadtest.replica --port 30001`, a fleet from one process with
+`--ports 30001,30002,...` (one uvicorn server per port in one event loop, so a fleet costs one core).
+
+Why the defaults:
+- `--kv-capacity-tokens 400000`: an 80 GB H100 at `--mem-fraction-static 0.85` gives 68 GB to weights and
+  KV; Llama-3.1-8B's bf16 weights take 16.1 GB, leaving ~52 GB, and at 128 KiB of KV per token that is
+  ~400k tokens once activations and CUDA graphs have their share.
+- `--max-running-requests 256`: the batch size up to which SGLang captures CUDA graphs on an H100; beyond
+  it decode gains little throughput for much latency.
+- Output length is the request's max tokens exactly (16 when unspecified): benchmarks need fixed lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import random
+import signal
+import struct
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from loadtest.engine import Engine, EngineConfig, Generation, RequestTooLarge
+from loadtest.faults import DroppingEventStream, Faults, FaultSettings
+from loadtest.tokenizer import content_text, render_chat, tokenize
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    port: int
+    host: str = "127.0.0.1"
+    model: str = "sim-llama-8b"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    embedding: bool = False         # embedding-model mode: /v1/embeddings only
+    embedding_dim: int = 1024
+    faults: FaultSettings = field(default_factory=FaultSettings)
+    seed: int = 0                   # seeds the fault injector's random choices
+
+    @property
+    def replica_id(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class ApiError(Exception):
+    """Answered as OpenAI's error body with `status`; raised anywhere a handler refuses a request."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 error_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.error_type = status, message, param, error_type
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.status}}
+        return JSONResponse(body, status_code=self.status)
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    tokens: list[int]
+    text: str | None    # None when the client sent token ids
+
+
+def _field(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    # bool is an int subclass; a `true` where a count belongs is a client bug worth a 400.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and kinds is int):
+        raise ApiError(400, f"'{name}' has the wrong type: {type(value).__name__}", name)
+    return value
+
+
+def _max_tokens(body: dict[str, Any], *names: str) -> int:
+    for name in names:
+        value = _field(body, name, int)
+        if value is not None:
+            if value < 1:
+                raise ApiError(400, f"'{name}' must be at least 1, got {value}", name)
+            return int(value)
+    return DEFAULT_MAX_TOKENS
+
+
+def _check_n(body: dict[str, Any]) -> None:
+    if _field(body, "n", int, 1) != 1:
+        raise ApiError(400, "only n=1 is supported", "n")
+
+
+def _prompts(value: Any, name: str) -> list[_Prompt]:
+    """A string, a list of strings, a list of token ids or a list of token-id lists, as prompts."""
+    if isinstance(value, str):
+        return [_Prompt(tokenize(value), value)]
+    if isinstance(value, list) and value:
+        if all(isinstance(item, str) for item in value):
+            return [_Prompt(tokenize(item), item) for item in value]
+        if all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+            return [_Prompt(list(value), None)]
+        if all(isinstance(item, list) and all(isinstance(t, int) for t in item) for item in value):
+            return [_Prompt(list(item), None) for item in value]
+    raise ApiError(400, f"'{name}' must be a string, a list of strings or a list of token ids", name)
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"The request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object")
+    return body
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _usage(gen: Generation) -> dict[str, Any]:
+    prompt, completion = len(gen.prompt_tokens), len(gen.output)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+
+
+def _unit_vector(tokens: Sequence[int], dim: int) -> list[float]:
+    """A deterministic unit vector for `tokens`: the same input always embeds the same way."""
+    seed = int.from_bytes(hashlib.blake2b(struct.pack(f"<{len(tokens)}I", *tokens), digest_size=8).digest(), "little")
+    rng = random.Random(seed)
+    vector = [rng.gauss(0.0, 1.0) for _ in range(dim)]
+    norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+    return [x / norm for x in vector]
+
+
+class _ReplicaIdHeader:
+    """ASGI middleware adding `x-replica-id`; plain ASGI so streamed bodies pass through untouched."""
+
+    def __init__(self, app: ASGIApp, replica_id: str) -> None:
+        self.app = app
+        self.header = (b"x-replica-id", replica_id.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class _EngineCollector(Collector):
+    """SGLang's metric names, read from the engine at scrape time (nothing to keep in sync)."""
+
+    def __init__(self, engine: Engine, model: str) -> None:
+        self.engine, self.model = engine, model
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        for name, kind, value, help_text in (
+            ("sglang:num_running_reqs", GaugeMetricFamily, stats.running, "Running requests"),
+            ("sglang:num_queue_reqs", GaugeMetricFamily, stats.queued, "Requests waiting to be scheduled"),
+            ("sglang:token_usage", GaugeMetricFamily, stats.token_usage, "Fraction of the KV pool in use"),
+            ("sglang:cache_hit_rate", GaugeMetricFamily, stats.cache_hit_rate, "Prefix cache hit rate"),
+            ("sglang:prompt_tokens", CounterMetricFamily, stats.prompt_tokens_total, "Prompt tokens"),
+            ("sglang:generation_tokens", CounterMetricFamily, stats.generation_tokens_total, "Generated tokens"),
+            ("sglang:cached_tokens", CounterMetricFamily, stats.cached_tokens_total, "Prompt tokens from cache"),
+        ):
+            family = kind(name, help_text, labels=["model_name"])
+            family.add_metric([self.model], value)
+            yield family
+
+
+class _Replica:
+    """The handlers of one replica and the parts they share; built once per app by `create_replica_app`."""
+
+    def __init__(self, config: ReplicaConfig) -> None:
+        self.config = config
+        self.engine = Engine(config.engine)
+        self.faults = Faults(config.faults, config.seed)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(self.engine, config.model))
+        self.created = int(time.time())
+
+    # --- inference ---------------------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        body = await _json_body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "'messages' must be a non-empty array of message objects", "messages")
+        try:
+            text = render_chat(messages, _field(body, "tools", list))
+        except TypeError as exc:
+            raise ApiError(400, str(exc), "messages") from exc
+        _check_n(body)
+        # sglang-router renames max_tokens to max_completion_tokens; OpenAI's SDK sends either.
+        max_new = _max_tokens(body, "max_completion_tokens", "max_tokens")
+        stream = _field(body, "stream", bool, False)
+        include_usage = bool(_field(body, "stream_options", dict, {}).get("include_usage"))
+        [gen] = await self._generate([_Prompt(tokenize(text), text)], max_new)
+        rid = "chatcmpl-" + uuid.uuid4().hex
+        if stream:
+            return DroppingEventStream(self._chat_events(gen, rid, include_usage), self.faults.settings.drop_after_chunks)
+        await self._collect(gen)
+        message = {"role": "assistant", "content": "".join(gen.output)}
+        return JSONResponse({**self._head(rid, "chat.completion"), "usage": _usage(gen), "choices": [
+            {"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}]})
+
+    async def completions(self, request: Request) -> Response:
+        body = await _json_body(request)
+        prompts = _prompts(body.get("prompt"), "prompt")
+        _check_n(body)
+        stream = _field(body, "stream", bool, False)
+        if stream and len(prompts) > 1:
+            raise ApiError(400, "streaming supports a single prompt", "prompt")
+        include_usage = bool(_field(body, "stream_options", dict, {}).get("include_usage"))
+        gens = await self._generate(prompts, _max_tokens(body, "max_tokens"))
+        rid = "cmpl-" + uuid.uuid4().hex
+        if stream:
+            return DroppingEventStream(self._completion_events(gens[0], rid, include_usage),
+                                   self.faults.settings.drop_after_chunks)
+        for gen in gens:
+            await self._collect(gen)
+        usage = {key: sum(_usage(gen)[key] for gen in gens) for key in ("prompt_tokens", "completion_tokens")}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(gen.cached_tokens for gen in gens)}
+        choices = [{"index": i, "text": "".join(gen.output), "logprobs": None, "finish_reason": "length"}
+                   for i, gen in enumerate(gens)]
+        return JSONResponse({**self._head(rid, "text_completion"), "choices": choices, "usage": usage})
+
+    async def generate(self, request: Request) -> Response:
+        body = await _json_body(request)
+        if body.get("input_ids") is not None:
+            prompts = _prompts(body["input_ids"], "input_ids")
+            batched = isinstance(body["input_ids"][0], list)
+        else:
+            prompts = _prompts(body.get("text"), "text")
+            batched = isinstance(body.get("text"), list)
+        sampling = _field(body, "sampling_params", dict, {})
+        max_new = _max_tokens(sampling, "max_new_tokens")
+        stream = _field(body, "stream", bool, False)
+        if stream and batched:
+            raise ApiError(400, "streaming supports a single prompt", "text")
+        started = time.monotonic()
+        gens = await self._generate(prompts, max_new)
+        rid = _field(body, "rid", str) or uuid.uuid4().hex
+        if stream:
+            return DroppingEventStream(self._generate_events(gens[0], rid, started), self.faults.settings.drop_after_chunks)
+        for gen in gens:
+            await self._collect(gen)
+        results = [{"text": "".join(gen.output), "meta_info": self._meta(gen, rid, started)} for gen in gens]
+        return JSONResponse(results if batched else results[0])
+
+    async def embeddings(self, request: Request) -> Response:
+        body = await _json_body(request)
+        if not self.config.embedding:
+            raise ApiError(400, f"{self.config.model} is a generation model and does not serve embeddings", "model")
+        prompts = _prompts(body.get("input"), "input")
+        encoding = _field(body, "encoding_format", str, "float")
+        if encoding not in ("float", "base64"):
+            raise ApiError(400, f"encoding_format must be 'float' or 'base64', got {encoding!r}", "encoding_format")
+        dim = _field(body, "dimensions", int, self.config.embedding_dim)
+        gens = await self._admit(prompts, 0)  # prefill only: an embedding costs one forward pass
+        data = []
+        for index, gen in enumerate(gens):
+            await self._collect(gen)
+            vector = _unit_vector(gen.prompt_tokens, dim)
+            # The OpenAI SDK asks for base64 by default: little-endian float32, as OpenAI sends it.
+            encoded: Any = base64.b64encode(struct.pack(f"<{dim}f", *vector)).decode() if encoding == "base64" else vector
+            data.append({"object": "embedding", "index": index, "embedding": encoded})
+        tokens = sum(len(gen.prompt_tokens) for gen in gens)
+        return JSONResponse({"object": "list", "data": data, "model": self.config.model,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def _generate(self, prompts: list[_Prompt], max_new: int) -> list[Generation]:
+        if self.config.embedding:
+            raise ApiError(400, f"{self.config.model} is an embedding model and does not generate text", "model")
+        return await self._admit(prompts, max_new)
+
+    async def _admit(self, prompts: list[_Prompt], max_new: int) -> list[Generation]:
+        """Apply the injected faults, then queue every prompt; all or none are queued."""
+        if self.faults.should_fail():
+            raise ApiError(500, "Injected fault: internal server error", error_type="internal_server_error")
+        await self.faults.before_response()
+        gens: list[Generation] = []
+        try:
+            for prompt in prompts:
+                gens.append(self.engine.submit(prompt.tokens, max_new, prompt.text))
+        except RequestTooLarge as exc:
+            for gen in gens:
+                self.engine.abort(gen)
+            raise ApiError(400, str(exc)) from exc
+        return gens
+
+    async def _collect(self, gen: Generation) -> None:
+        try:
+            async for _ in gen.pieces():
+                pass
+        finally:
+            self.engine.abort(gen)  # a no-op once finished; frees the slot if the handler was cancelled
+
+    def _head(self, rid: str, obj: str) -> dict[str, Any]:
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.config.model}
+
+    def _meta(self, gen: Generation, rid: str, started: float) -> dict[str, Any]:
+        done = len(gen.output) >= gen.max_new_tokens
+        return {"id": rid, "prompt_tokens": len(gen.prompt_tokens), "completion_tokens": len(gen.output),
+                "cached_tokens": gen.cached_tokens, "e2e_latency": round(time.monotonic() - started, 6),
+                "finish_reason": {"type": "length", "length": len(gen.output)} if done else None}
+
+    async def _chat_events(self, gen: Generation, rid: str, include_usage: bool) -> AsyncIterator[str]:
+        head = self._head(rid, "chat.completion.chunk")
+        try:
+            async for piece in gen.pieces():
+                delta = {"role": "assistant", "content": piece} if len(gen.output) == 1 else {"content": piece}
+                yield _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]})
+            yield _sse({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]})
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(gen)})
+            yield "data: [DONE]\n\n"
+        finally:
+            self.engine.abort(gen)
+
+    async def _completion_events(self, gen: Generation, rid: str, include_usage: bool) -> AsyncIterator[str]:
+        head = self._head(rid, "text_completion")
+        try:
+            async for piece in gen.pieces():
+                yield _sse({**head, "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": None}]})
+            yield _sse({**head, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]})
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(gen)})
+            yield "data: [DONE]\n\n"
+        finally:
+            self.engine.abort(gen)
+
+    async def _generate_events(self, gen: Generation, rid: str, started: float) -> AsyncIterator[str]:
+        try:
+            async for _ in gen.pieces():
+                # SGLang's native stream repeats the whole text so far in every chunk.
+                yield _sse({"text": "".join(gen.output), "meta_info": self._meta(gen, rid, started)})
+            yield "data: [DONE]\n\n"
+        finally:
+            self.engine.abort(gen)
+
+    # --- probes, info, control ---------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if not self.faults.healthy:
+            raise ApiError(503, "unhealthy (injected fault)", error_type="service_unavailable")
+        return PlainTextResponse("OK")
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.config.model, "object": "model", "created": self.created, "owned_by": "sglang",
+                "root": self.config.model, "max_model_len": self.config.engine.max_context_tokens}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def server_info(self, request: Request) -> Response:
+        cfg = self.config
+        return JSONResponse({
+            "served_model_name": cfg.model, "model_path": cfg.model, "tokenizer_path": cfg.model,
+            "max_total_num_tokens": cfg.engine.kv_capacity_tokens, "tp_size": 1, "dp_size": 1,
+            "max_running_requests": cfg.engine.max_running_requests, "is_embedding": cfg.embedding,
+            "context_length": cfg.engine.max_context_tokens, "chunked_prefill_size": cfg.engine.chunked_prefill_tokens,
+            "page_size": cfg.engine.block_tokens, "host": cfg.host, "port": cfg.port, "version": "simulated"})
+
+    async def model_info(self, request: Request) -> Response:
+        return JSONResponse({"model_path": self.config.model, "tokenizer_path": self.config.model,
+                             "is_generation": not self.config.embedding})
+
+    async def get_load(self, request: Request) -> Response:
+        stats = self.engine.stats()
+        return JSONResponse([{"dp_rank": 0, "num_reqs": stats.running + stats.queued,
+                              "num_waiting_reqs": stats.queued, "num_tokens": stats.running_tokens}])
+
+    async def flush_cache(self, request: Request) -> Response:
+        if not self.engine.flush_cache():
+            raise ApiError(400, "Cache not flushed: requests are queued or running")
+        return PlainTextResponse("Cache flushed.")
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def control_faults(self, request: Request) -> Response:
+        if request.method == "POST":
+            try:
+                settings = FaultSettings.from_json(await _json_body(request), self.faults.settings)
+            except ValueError as exc:
+                raise ApiError(400, str(exc)) from exc
+            self.faults.apply(settings)
+            logger.info("%s: faults set to %s", self.config.replica_id, settings)
+        return JSONResponse(self.faults.describe())
+
+    def routes(self) -> list[Route]:
+        get, post = ["GET"], ["POST"]
+        return [
+            Route("/v1/chat/completions", self.chat, methods=post),
+            Route("/v1/completions", self.completions, methods=post),
+            Route("/generate", self.generate, methods=post),
+            Route("/v1/embeddings", self.embeddings, methods=post),
+            Route("/v1/models", self.models, methods=get),
+            *(Route(path, self.health, methods=get) for path in ("/health", "/health_generate", "/ready")),
+            Route("/server_info", self.server_info, methods=get),
+            Route("/get_server_info", self.server_info, methods=get),
+            Route("/model_info", self.model_info, methods=get),
+            Route("/get_model_info", self.model_info, methods=get),
+            Route("/get_load", self.get_load, methods=get),
+            Route("/flush_cache", self.flush_cache, methods=["GET", "POST"]),
+            Route("/metrics", self.metrics, methods=get),
+            Route("/control/faults", self.control_faults, methods=["GET", "POST"]),
+        ]
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return ApiError(exc.status_code, str(exc.detail)).response()
+
+
+def create_replica_app(config: ReplicaConfig) -> Starlette:
+    """One replica: its engine runs while the app's lifespan does."""
+    replica = _Replica(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        replica.engine.start()
+        logger.info("replica %s serving %s (KV %s tokens, time scale %s)", config.replica_id, config.model,
+                    config.engine.kv_capacity_tokens, config.engine.time_scale)
+        yield
+        await replica.engine.stop()
+
+    return Starlette(routes=replica.routes(), lifespan=lifespan,
+                     middleware=[Middleware(_ReplicaIdHeader, replica_id=config.replica_id)],
+                     exception_handlers={ApiError: _api_error, HTTPException: _http_error})
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # serve_replicas stops all servers on one signal; uvicorn's per-server handlers would stop only one.
+        yield
+
+
+async def serve_replicas(configs: list[ReplicaConfig]) -> None:
+    """Serve every replica from this event loop until SIGINT or SIGTERM, then shut all down cleanly."""
+    servers = [_Server(uvicorn.Config(create_replica_app(c), host=c.host, port=c.port, log_config=None,
+                                      access_log=False, lifespan="on", timeout_graceful_shutdown=5))
+               for c in configs]
+
+    def stop_all() -> None:
+        for server in servers:
+            server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    handled: list[signal.Signals] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
+            loop.add_signal_handler(signum, stop_all)
+            handled.append(signum)
+    try:
+        await asyncio.gather(*(server.serve() for server in servers))
+    finally:
+        stop_all()
+        for signum in handled:
+            loop.remove_signal_handler(signum)
+
+
+def _ports(text: str) -> list[int]:
+    try:
+        ports = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ports must be comma-separated integers, got {text!r}") from None
+    if not ports:
+        raise argparse.ArgumentTypeError("--ports needs at least one port")
+    return ports
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults, faults = EngineConfig(), FaultSettings()
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.replica", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="A simulated SGLang-compatible engine replica (Llama-3.1-8B on one H100, by default).")
+    add = p.add_argument
+    add("--host", default="127.0.0.1", help="address to listen on")
+    add("--port", type=int, default=30000, help="TCP port of a single replica")
+    add("--ports", type=_ports, default=None, help="comma-separated ports: one independent replica per port, "
+        "all in this process (overrides --port)")
+    add("--model", default="sim-llama-8b", help="model name served and reported")
+    add("--kv-capacity-tokens", type=int, default=defaults.kv_capacity_tokens,
+        help="KV pool size in tokens (max_total_num_tokens); bounds the prefix cache and running requests")
+    add("--max-running-requests", type=int, default=defaults.max_running_requests,
+        help="requests decoded concurrently; more wait in the queue")
+    add("--context-length", type=int, default=defaults.max_context_tokens,
+        help="longest prompt plus output, in tokens")
+    add("--time-scale", type=float, default=defaults.time_scale,
+        help="real seconds per simulated second (0.01 runs 100x faster than a real GPU)")
+    add("--embedding", action="store_true", help="embedding-model mode: serve /v1/embeddings, refuse generation")
+    add("--embedding-dim", type=int, default=1024, help="embedding vector dimension")
+    add("--error-rate", type=float, default=faults.error_rate,
+        help="fault: fraction (0..1) of inference requests answered 500")
+    add("--latency-ms", type=float, default=faults.latency_ms,
+        help="fault: milliseconds of real time added before each inference response starts")
+    add("--hang", action="store_true", help="fault: accept inference requests but never answer until cleared "
+        "through POST /control/faults")
+    add("--drop-after-chunks", type=int, default=faults.drop_after_chunks,
+        help="fault: close a streaming response's connection after this many SSE chunks")
+    add("--unhealthy-for-s", type=float, default=faults.unhealthy_for_s,
+        help="fault: /health, /health_generate and /ready answer 503 for this many seconds after start")
+    add("--seed", type=int, default=0, help="seed of the fault injector (replica i uses seed + i)")
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
+    return p
+
+
+def configs_from_args(args: argparse.Namespace) -> list[ReplicaConfig]:
+    engine = EngineConfig(kv_capacity_tokens=args.kv_capacity_tokens, max_running_requests=args.max_running_requests,
+                          max_context_tokens=args.context_length, time_scale=args.time_scale)
+    faults = FaultSettings(error_rate=args.error_rate, latency_ms=args.latency_ms, hang=args.hang,
+                           drop_after_chunks=args.drop_after_chunks, unhealthy_for_s=args.unhealthy_for_s)
+    ports = args.ports or [args.port]
+    return [ReplicaConfig(port=port, host=args.host, model=args.model, engine=engine, embedding=args.embedding,
+                          embedding_dim=args.embedding_dim, faults=faults, seed=args.seed + index)
+            for index, port in enumerate(ports)]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        configs = configs_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve_replicas(configs))
+
+
+if __name__ == "__main__":
+    main()
