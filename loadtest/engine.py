@@ -43,7 +43,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import logging
+import math
+import random
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -104,6 +107,15 @@ def output_piece(seed: int, position: int) -> str:
     """The text of output token `position` for a prompt whose seed is `seed`: a word, space-separated."""
     word = _WORDS[zlib.crc32(position.to_bytes(4, "little"), seed) % len(_WORDS)]
     return word if position == 0 else " " + word
+
+
+def embedding_vector(tokens: list[int], dim: int) -> list[float]:
+    """A deterministic unit vector for `tokens`, the simulated embedding model's output."""
+    digest = hashlib.blake2b(repr(tokens).encode(), digest_size=8).digest()
+    rng = random.Random(int.from_bytes(digest, "little"))
+    vector = [rng.gauss(0.0, 1.0) for _ in range(dim)]
+    norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+    return [x / norm for x in vector]
 
 
 class Generation:
@@ -198,7 +210,8 @@ class Engine:
                 f"This model's maximum context length is {self.config.max_context_tokens} tokens. However, you "
                 f"requested {total} tokens ({len(prompt_tokens)} in the messages, {max_new_tokens} in the completion).")
         if total > self.config.kv_capacity_tokens:
-            raise RequestTooLarge(f"The request needs {total} KV tokens; the pool holds {self.config.kv_capacity_tokens}.")
+            raise RequestTooLarge(
+                f"The request needs {total} KV tokens; the pool holds {self.config.kv_capacity_tokens}.")
         gen = Generation(prompt_tokens, max_new_tokens, prompt_text, self.clock_s)
         self._waiting.append(gen)
         self._wake.set()

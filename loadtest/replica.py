@@ -23,11 +23,8 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import hashlib
 import json
 import logging
-import math
-import random
 import signal
 import struct
 import time
@@ -48,9 +45,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loadtest.engine import Engine, EngineConfig, Generation, RequestTooLarge
+from loadtest.engine import Engine, EngineConfig, Generation, RequestTooLarge, embedding_vector
 from loadtest.faults import DroppingEventStream, Faults, FaultSettings
-from loadtest.tokenizer import content_text, render_chat, tokenize
+from loadtest.tokenizer import render_chat, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -151,15 +148,6 @@ def _usage(gen: Generation) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
-def _unit_vector(tokens: Sequence[int], dim: int) -> list[float]:
-    """A deterministic unit vector for `tokens`: the same input always embeds the same way."""
-    seed = int.from_bytes(hashlib.blake2b(struct.pack(f"<{len(tokens)}I", *tokens), digest_size=8).digest(), "little")
-    rng = random.Random(seed)
-    vector = [rng.gauss(0.0, 1.0) for _ in range(dim)]
-    norm = math.sqrt(sum(x * x for x in vector)) or 1.0
-    return [x / norm for x in vector]
-
-
 class _ReplicaIdHeader:
     """ASGI middleware adding `x-replica-id`; plain ASGI so streamed bodies pass through untouched."""
 
@@ -232,7 +220,8 @@ class _Replica:
         [gen] = await self._generate([_Prompt(tokenize(text), text)], max_new)
         rid = "chatcmpl-" + uuid.uuid4().hex
         if stream:
-            return DroppingEventStream(self._chat_events(gen, rid, include_usage), self.faults.settings.drop_after_chunks)
+            return DroppingEventStream(self._openai_events(gen, rid, include_usage, chat=True),
+                                       self.faults.settings.drop_after_chunks)
         await self._collect(gen)
         message = {"role": "assistant", "content": "".join(gen.output)}
         return JSONResponse({**self._head(rid, "chat.completion"), "usage": _usage(gen), "choices": [
@@ -249,7 +238,7 @@ class _Replica:
         gens = await self._generate(prompts, _max_tokens(body, "max_tokens"))
         rid = "cmpl-" + uuid.uuid4().hex
         if stream:
-            return DroppingEventStream(self._completion_events(gens[0], rid, include_usage),
+            return DroppingEventStream(self._openai_events(gens[0], rid, include_usage, chat=False),
                                    self.faults.settings.drop_after_chunks)
         for gen in gens:
             await self._collect(gen)
@@ -262,12 +251,9 @@ class _Replica:
 
     async def generate(self, request: Request) -> Response:
         body = await _json_body(request)
-        if body.get("input_ids") is not None:
-            prompts = _prompts(body["input_ids"], "input_ids")
-            batched = isinstance(body["input_ids"][0], list)
-        else:
-            prompts = _prompts(body.get("text"), "text")
-            batched = isinstance(body.get("text"), list)
+        name = "input_ids" if body.get("input_ids") is not None else "text"
+        prompts = _prompts(body.get(name), name)
+        batched = isinstance(body[name], list) and isinstance(body[name][0], (str, list))
         sampling = _field(body, "sampling_params", dict, {})
         max_new = _max_tokens(sampling, "max_new_tokens")
         stream = _field(body, "stream", bool, False)
@@ -277,7 +263,8 @@ class _Replica:
         gens = await self._generate(prompts, max_new)
         rid = _field(body, "rid", str) or uuid.uuid4().hex
         if stream:
-            return DroppingEventStream(self._generate_events(gens[0], rid, started), self.faults.settings.drop_after_chunks)
+            return DroppingEventStream(self._generate_events(gens[0], rid, started),
+                                       self.faults.settings.drop_after_chunks)
         for gen in gens:
             await self._collect(gen)
         results = [{"text": "".join(gen.output), "meta_info": self._meta(gen, rid, started)} for gen in gens]
@@ -296,9 +283,11 @@ class _Replica:
         data = []
         for index, gen in enumerate(gens):
             await self._collect(gen)
-            vector = _unit_vector(gen.prompt_tokens, dim)
+            vector = embedding_vector(gen.prompt_tokens, dim)
             # The OpenAI SDK asks for base64 by default: little-endian float32, as OpenAI sends it.
-            encoded: Any = base64.b64encode(struct.pack(f"<{dim}f", *vector)).decode() if encoding == "base64" else vector
+            encoded: Any = vector
+            if encoding == "base64":
+                encoded = base64.b64encode(struct.pack(f"<{dim}f", *vector)).decode()
             data.append({"object": "embedding", "index": index, "embedding": encoded})
         tokens = sum(len(gen.prompt_tokens) for gen in gens)
         return JSONResponse({"object": "list", "data": data, "model": self.config.model,
@@ -340,25 +329,25 @@ class _Replica:
                 "cached_tokens": gen.cached_tokens, "e2e_latency": round(time.monotonic() - started, 6),
                 "finish_reason": {"type": "length", "length": len(gen.output)} if done else None}
 
-    async def _chat_events(self, gen: Generation, rid: str, include_usage: bool) -> AsyncIterator[str]:
-        head = self._head(rid, "chat.completion.chunk")
-        try:
-            async for piece in gen.pieces():
-                delta = {"role": "assistant", "content": piece} if len(gen.output) == 1 else {"content": piece}
-                yield _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]})
-            yield _sse({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]})
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(gen)})
-            yield "data: [DONE]\n\n"
-        finally:
-            self.engine.abort(gen)
+    async def _openai_events(self, gen: Generation, rid: str, include_usage: bool, chat: bool
+                             ) -> AsyncIterator[str]:
+        """OpenAI's stream: a chunk per token (chat deltas, the first with the role), the finish, usage, DONE."""
+        head = self._head(rid, "chat.completion.chunk" if chat else "text_completion")
 
-    async def _completion_events(self, gen: Generation, rid: str, include_usage: bool) -> AsyncIterator[str]:
-        head = self._head(rid, "text_completion")
+        def chunk(piece: str | None, finish: str | None) -> str:
+            if chat:
+                delta = {} if piece is None else {"content": piece}
+                if piece is not None and len(gen.output) == 1:
+                    delta["role"] = "assistant"
+                choice: dict[str, Any] = {"index": 0, "delta": delta}
+            else:
+                choice = {"index": 0, "text": piece or ""}
+            return _sse({**head, "choices": [{**choice, "logprobs": None, "finish_reason": finish}]})
+
         try:
             async for piece in gen.pieces():
-                yield _sse({**head, "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": None}]})
-            yield _sse({**head, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]})
+                yield chunk(piece, None)
+            yield chunk(None, "length")
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": _usage(gen)})
             yield "data: [DONE]\n\n"
