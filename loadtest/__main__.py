@@ -1,0 +1,171 @@
+"""`python -m loadtest`: run scenarios side by side, list them, or measure the gateway's own overhead."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from loadtest.overhead import OVERHEAD_COLUMNS, OverheadConfig, overhead_rows, run_overhead
+from loadtest.report import markdown_table, print_report, text_table, write_outputs
+from loadtest.runner import PEERS, Traffic, run_policies, run_target
+from loadtest.scenarios import LoadLevel, Scenario, list_scenarios, load_scenario, with_overrides
+from loadtest.workload import generate, request_count, working_set_tokens
+
+DEFAULT_POLICIES = "round_robin,cache_aware,prefix_aware"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run one scenario through each policy on a fresh fleet",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_run_arguments(run)
+    commands.add_parser("list", help="list the scenario presets with their sizes and default loads")
+    overhead = commands.add_parser("overhead", help="the gateway's own latency and throughput cost",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_overhead_arguments(overhead)
+    return parser
+
+
+def add_run_arguments(run: argparse.ArgumentParser) -> None:
+    run.add_argument("scenario", help=f"a preset ({', '.join(list_scenarios())}) or a path to a TOML file")
+    run.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated gateway policies, one run each")
+    run.add_argument("--peer", choices=PEERS, default=None,
+                     help="also run the peer router in front of the same kind of fleet (skipped if not installed)")
+    run.add_argument("--out", type=Path, default=None, help="directory for results.json, report.md and PNG plots")
+    knobs = run.add_argument_group("workload (defaults from the scenario file)")
+    knobs.add_argument("--num-prompts", type=int, default=None,
+                       help="requests (multiturn: clients = num_prompts // rounds); default groups x prompts")
+    knobs.add_argument("--seed", type=int, default=None, help="seed of texts, lengths, order and arrivals")
+    knobs.add_argument("--scale", type=float, default=None, help="factor on every token length of the scenario")
+    knobs.add_argument("--random-range-ratio", type=float, default=None,
+                       help="lengths drawn from [L x ratio, L] as in SGLang's bench; 1.0 = fixed lengths")
+    load = run.add_argument_group("arrivals (simulated requests/s; multiturn: rounds become ready on answers)")
+    load.add_argument("--load", type=LoadLevel, choices=list(LoadLevel), default=None,
+                      help="the scenario's calibrated Poisson rate for this level (default: knee)")
+    load.add_argument("--request-rate", type=float, default=None, help="Poisson arrival rate, simulated req/s")
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="cap on requests in flight; alone (no rate, no --load) it makes a closed loop")
+    load.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = E2E)")
+    fleet = run.add_argument_group("fleet (defaults from the scenario file)")
+    fleet.add_argument("--replicas", type=int, default=None, help="simulated LLM replicas")
+    fleet.add_argument("--kv-capacity-tokens", type=int, default=None, help="KV cache capacity per replica, tokens")
+    fleet.add_argument("--time-scale", type=float, default=None,
+                       help="wall seconds per simulated second; reports divide wall times by it")
+    fleet.add_argument("--max-running-requests", type=int, default=None, help="per-replica batch cap")
+    fleet.add_argument("--gateway-arg", action="append", default=[],
+                       help="extra argument for `gateway serve`, repeatable (e.g. --gateway-arg=--cache-threshold=0.5)")
+    slo = run.add_argument_group("goodput SLOs (simulated seconds)")
+    slo.add_argument("--slo-ttft", type=float, default=None, help="TTFT target, s (scenario default, usually 2)")
+    slo.add_argument("--slo-tpot", type=float, default=None, help="TPOT target, s (scenario default, usually 0.1)")
+    target = run.add_argument_group("real deployment")
+    target.add_argument("--target", default=None, help="base URL of a running OpenAI-compatible endpoint; "
+                        "no fleet is started, --policies and --peer are ignored, times are real seconds")
+    target.add_argument("--model", default=None, help="model for --target (default: the first of /v1/models)")
+    target.add_argument("--oracle-capacity-tokens", type=int, default=None,
+                        help="--target: total KV tokens of the deployment, for the oracle hit rate")
+    run.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
+def add_overhead_arguments(overhead: argparse.ArgumentParser) -> None:
+    overhead.add_argument("--stream", action="store_true", help="streaming requests (SSE relay cost)")
+    overhead.add_argument("--latency-requests", type=int, default=200, help="requests sent one at a time")
+    overhead.add_argument("--throughput-requests", type=int, default=1000, help="requests for the throughput phase")
+    overhead.add_argument("--concurrency", type=int, default=32, help="requests in flight in the throughput phase")
+    overhead.add_argument("--output-tokens", type=int, default=16, help="max_tokens of each request")
+    overhead.add_argument("--policy", default="prefix_aware", help="gateway policy")
+    overhead.add_argument("--no-peer", action="store_true", help="leave sglang-router out")
+    overhead.add_argument("--out", type=Path, default=None, help="directory for overhead.json and overhead.md")
+
+
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
+    scenario = load_scenario(args.scenario)
+    return with_overrides(
+        scenario,
+        workload={"num_prompts": args.num_prompts, "seed": args.seed, "scale": args.scale,
+                  "random_range_ratio": args.random_range_ratio},
+        fleet={"replicas": args.replicas, "kv_capacity_tokens": args.kv_capacity_tokens,
+               "time_scale": args.time_scale, "max_running_requests": args.max_running_requests},
+        slo={"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
+    )
+
+
+def traffic_from_args(args: argparse.Namespace, scenario: Scenario) -> Traffic:
+    rate = args.request_rate
+    if rate is None and (args.load is not None or args.max_concurrency is None):
+        rate = scenario.load.rate(args.load or LoadLevel.KNEE)
+    return Traffic(request_rate=rate, max_concurrency=args.max_concurrency, stream=not args.no_stream)
+
+
+def command_run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    scenario = scenario_from_args(args)
+    traffic = traffic_from_args(args, scenario)
+    if args.target:
+        outcomes = [run_target(scenario, args.target, traffic, model=args.model,
+                               oracle_capacity_tokens=args.oracle_capacity_tokens)]
+    else:
+        policies = [policy.strip() for policy in args.policies.split(",") if policy.strip()]
+        outcomes = run_policies(scenario, policies, traffic, peer=args.peer, gateway_args=args.gateway_arg)
+    print(print_report(scenario, outcomes))
+    if args.out is not None:
+        command = "python -m loadtest " + shlex.join(argv)
+        for path in write_outputs(args.out, scenario, outcomes, command, traffic):
+            print(f"wrote {path}", file=sys.stderr)
+    return 1 if any(o.summary.errors == o.summary.requests for o in outcomes) else 0
+
+
+def command_list() -> int:
+    rows = []
+    for name in list_scenarios():
+        scenario = load_scenario(name)
+        w, f = scenario.workload, scenario.fleet
+        requests = request_count(generate(w))
+        rows.append([name, str(requests), str(working_set_tokens(w)),
+                     f"{f.replicas} x {f.kv_capacity_tokens}", str(f.time_scale),
+                     f"{scenario.load.light:g} / {scenario.load.knee:g} / {scenario.load.overload:g}",
+                     scenario.description])
+    header = ["scenario", "requests", "working set tok", "fleet KV tok", "time-scale",
+              "rate light/knee/overload", "description"]
+    print(text_table(header, rows))
+    return 0
+
+
+def command_overhead(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    config = OverheadConfig(latency_requests=args.latency_requests, throughput_requests=args.throughput_requests,
+                            concurrency=args.concurrency, stream=args.stream, policy=args.policy,
+                            output_tokens=args.output_tokens, peer=not args.no_peer)
+    results = run_overhead(config)
+    rows = overhead_rows(results)
+    mode = "streaming" if config.stream else "non-streaming"
+    print(f"overhead ({mode}, {config.output_tokens} output tokens, latency at concurrency 1, "
+          f"throughput at concurrency {config.concurrency}; real milliseconds)")
+    print(text_table(OVERHEAD_COLUMNS, rows))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "overhead.json").write_text(json.dumps(
+            {"command": "python -m loadtest " + shlex.join(argv), "config": dataclasses.asdict(config),
+             "paths": [dataclasses.asdict(r) for r in results]}, indent=1) + "\n", encoding="utf-8")
+        (args.out / "overhead.md").write_text(markdown_table(OVERHEAD_COLUMNS, rows) + "\n", encoding="utf-8")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "list":
+        return command_list()
+    if args.command == "overhead":
+        return command_overhead(args, argv)
+    return command_run(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

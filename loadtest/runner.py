@@ -1,0 +1,178 @@
+"""Side-by-side runs: the same seeded request sequence through each policy, each on a fresh fleet.
+
+A fresh fleet per run means every policy starts with cold caches and idle replicas, so no run inherits the
+previous run's cache. The peer (sglang-router) gets the same kind of fleet. `run_target` drives any running
+OpenAI-compatible endpoint instead (a real deployment), where cached tokens come from its responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from loadtest.client import DriveOptions, DriveResult, drive
+from loadtest.fleet import Fleet, running_fleet
+from loadtest.oracle import chat_request, oracle_hit_rate
+from loadtest.progress import Progress
+from loadtest.scenarios import Kind, Scenario
+from loadtest.stats import RunSummary, summarise
+from loadtest.workload import Conversation, RequestKind, generate, request_count
+
+logger = logging.getLogger(__name__)
+
+SGLANG_ROUTER = "sglang-router"
+PEERS = (SGLANG_ROUTER,)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """How requests arrive; rates are simulated requests/s (wall rate = rate / time_scale)."""
+
+    request_rate: float | None
+    max_concurrency: int | None
+    stream: bool = True
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    summary: RunSummary
+    drive: DriveResult
+
+
+def sglang_router_installed() -> bool:
+    try:
+        import sglang_router  # noqa: F401  (only whether it imports)
+    except ImportError:
+        return False
+    return True
+
+
+def replica_args(scenario: Scenario, *, embedding: bool = False) -> list[str]:
+    fleet, workload = scenario.fleet, scenario.workload
+    args = ["--model", workload.embedding_model if embedding else workload.model,
+            "--kv-capacity-tokens", str(fleet.kv_capacity_tokens), "--time-scale", str(fleet.time_scale)]
+    if fleet.max_running_requests is not None:
+        args += ["--max-running-requests", str(fleet.max_running_requests)]
+    return [*args, "--embedding"] if embedding else args
+
+
+def drive_options(scenario: Scenario, traffic: Traffic, time_scale: float) -> DriveOptions:
+    rate = traffic.request_rate / time_scale if traffic.request_rate else None
+    return DriveOptions(rate_per_s=rate, max_concurrency=traffic.max_concurrency, stream=traffic.stream,
+                        seed=scenario.workload.seed)
+
+
+def run_policies(scenario: Scenario, policies: Sequence[str], traffic: Traffic, *, peer: str | None = None,
+                 gateway_args: Sequence[str] = ()) -> list[RunOutcome]:
+    """One run per policy (and one for the peer), in that order; the oracle is computed once, from run one."""
+    conversations = generate(scenario.workload)
+    labels: list[str] = list(policies)
+    if peer is not None:
+        if peer != SGLANG_ROUTER:
+            raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+        if sglang_router_installed():
+            labels.append(SGLANG_ROUTER)
+        else:
+            logger.warning("--peer %s skipped: sglang-router is not installed (pip install 'prefix-gateway[bench]')",
+                           peer)
+    outcomes: list[RunOutcome] = []
+    oracle: float | None = None
+    for label in labels:
+        result, counts = _fleet_run(scenario, label, conversations, traffic, gateway_args)
+        if oracle is None:
+            oracle = scenario_oracle(scenario, result)
+        outcomes.append(RunOutcome(summarise(label, result, time_scale=scenario.fleet.time_scale,
+                                             slo=scenario.slo, oracle_hit_rate=oracle, replica_counts=counts),
+                                   result))
+    return outcomes
+
+
+def _fleet_run(scenario: Scenario, label: str, conversations: tuple[Conversation, ...], traffic: Traffic,
+               gateway_args: Sequence[str]) -> tuple[DriveResult, dict[str, int] | None]:
+    with running_fleet() as fleet:
+        llm = fleet.start_replicas(scenario.fleet.replicas, args=replica_args(scenario))
+        backends = list(llm.urls)
+        if scenario.workload.kind is Kind.MIXED_MODELS and scenario.fleet.embedding_replicas:
+            embed = fleet.start_replicas(scenario.fleet.embedding_replicas,
+                                         args=replica_args(scenario, embedding=True), name="embedding-replicas")
+            backends += embed.urls
+        front = _start_front(fleet, label, backends, gateway_args)
+        before = asyncio.run(replica_request_counts(llm.urls))
+        progress = Progress(request_count(conversations), f"{scenario.name}/{label}")
+        result = asyncio.run(drive(front, conversations, drive_options(scenario, traffic, scenario.fleet.time_scale),
+                                   on_done=lambda r: progress.advance(error=r.error is not None)))
+        progress.close()
+        counts = None
+        if label == SGLANG_ROUTER:
+            # sglang-router does not relay x-replica-id; count per replica from the replicas' own counters.
+            after = asyncio.run(replica_request_counts(llm.urls))
+            counts = {url: after.get(url, 0) - before.get(url, 0) for url in llm.urls} if after else None
+    return result, counts
+
+
+def _start_front(fleet: Fleet, label: str, backends: list[str], gateway_args: Sequence[str]) -> str:
+    if label == SGLANG_ROUTER:
+        return fleet.start_sglang_router(backends, policy="cache_aware").url
+    return fleet.start_gateway(backends, args=["--policy", label, *gateway_args]).url
+
+
+_REQUESTS_METRIC = re.compile(r"^sglang:num_requests_total(?:\{[^}]*\})?\s+([0-9.eE+]+)", re.MULTILINE)
+
+
+async def replica_request_counts(urls: Sequence[str]) -> dict[str, int]:
+    """Requests served so far per replica URL, from `sglang:num_requests_total`; {} when not exported."""
+    counts: dict[str, int] = {}
+    async with httpx.AsyncClient(trust_env=False, timeout=5.0) as client:
+        for url in urls:
+            try:
+                text = (await client.get(f"{url}/metrics")).text
+            except httpx.HTTPError:
+                return {}
+            found = _REQUESTS_METRIC.findall(text)
+            if not found:
+                return {}
+            counts[url] = int(sum(float(value) for value in found))
+    return counts
+
+
+def scenario_oracle(scenario: Scenario, result: DriveResult) -> float:
+    capacity = scenario.fleet.kv_capacity_tokens * scenario.fleet.replicas
+    chats = [chat_request(sent.messages, sent.answer) for sent in result.sent if sent.kind is RequestKind.CHAT]
+    return oracle_hit_rate(chats, capacity).hit_rate
+
+
+def run_target(scenario: Scenario, url: str, traffic: Traffic, *, model: str | None = None,
+               oracle_capacity_tokens: int | None = None) -> RunOutcome:
+    """Drive a running endpoint; times are real seconds (time_scale 1)."""
+    workload = scenario.workload
+    chosen = model or asyncio.run(first_model(url)) or workload.model
+    conversations = tuple(c if c.kind is RequestKind.EMBEDDING else _retarget(c, chosen)
+                          for c in generate(workload))
+    progress = Progress(request_count(conversations), f"{scenario.name}/target")
+    result = asyncio.run(drive(url.rstrip("/"), conversations, drive_options(scenario, traffic, 1.0),
+                               on_done=lambda r: progress.advance(error=r.error is not None)))
+    progress.close()
+    oracle = None
+    if oracle_capacity_tokens:
+        chats = [chat_request(s.messages, s.answer) for s in result.sent if s.kind is RequestKind.CHAT]
+        oracle = oracle_hit_rate(chats, oracle_capacity_tokens).hit_rate
+    return RunOutcome(summarise("target", result, time_scale=1.0, slo=scenario.slo, oracle_hit_rate=oracle), result)
+
+
+def _retarget(conversation: Conversation, model: str) -> Conversation:
+    return Conversation(conversation.index, conversation.kind, model, conversation.group,
+                        conversation.system_text, conversation.turns)
+
+
+async def first_model(url: str) -> str | None:
+    async with httpx.AsyncClient(trust_env=False, timeout=10.0) as client:
+        try:
+            data = (await client.get(f"{url.rstrip('/')}/v1/models")).json().get("data") or []
+        except (httpx.HTTPError, ValueError):
+            return None
+    return str(data[0]["id"]) if data else None

@@ -1,0 +1,71 @@
+"""A small end-to-end run of the runner and the CLI: real replicas and gateways on loopback, seconds long.
+
+No timing assertions: only that every request is answered, the accounting adds up and the files appear.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from loadtest.__main__ import main
+from loadtest.runner import Traffic, run_policies, sglang_router_installed
+from loadtest.scenarios import FleetSpec, Kind, LoadRates, Scenario, Slo, Workload
+
+
+def tiny_scenario(kind: Kind = Kind.SHARED_PREFIX) -> Scenario:
+    workload = Workload(kind=kind, groups=4, prompts_per_group=4, clients=3, rounds=3, system_tokens=256,
+                        question_tokens=16, output_tokens=4, seed=5)
+    return Scenario("tiny", "tiny test scenario", "test", workload,
+                    FleetSpec(replicas=2, kv_capacity_tokens=4096, time_scale=0.01), LoadRates(), Slo())
+
+
+def test_two_policies_answer_every_request_and_report_hits() -> None:
+    outcomes = run_policies(tiny_scenario(), ["round_robin", "prefix_aware"],
+                            Traffic(request_rate=None, max_concurrency=4))
+    assert [o.summary.label for o in outcomes] == ["round_robin", "prefix_aware"]
+    for outcome in outcomes:
+        summary = outcome.summary
+        assert summary.requests == 16 and summary.errors == 0
+        assert sum(summary.requests_per_replica.values()) == 16
+        assert len(summary.requests_per_replica) <= 2
+        assert all(r.output_tokens == 4 and r.prompt_tokens > 256 for r in outcome.drive.results)
+        assert 0.0 < summary.hit_rate <= 1.0
+        assert summary.oracle_hit_rate is not None and 0.0 < summary.oracle_hit_rate < 1.0
+    assert outcomes[0].summary.oracle_hit_rate == outcomes[1].summary.oracle_hit_rate
+
+
+def test_multiturn_rounds_carry_the_real_answers() -> None:
+    (outcome,) = run_policies(tiny_scenario(Kind.MULTITURN), ["prefix_aware"],
+                              Traffic(request_rate=None, max_concurrency=8))
+    assert outcome.summary.requests == 9 and outcome.summary.errors == 0
+    last_rounds = [s for s in outcome.drive.sent if len(s.messages) == 6]  # system + 2 x (user, answer) + user
+    assert len(last_rounds) == 3
+    assert all(s.messages[2]["role"] == "assistant" and s.messages[2]["content"] for s in last_rounds)
+    later = [r for r in outcome.drive.results if r.turn > 0]
+    assert all(r.cached_tokens > 0 for r in later)
+
+
+@pytest.mark.peer
+@pytest.mark.skipif(not sglang_router_installed(), reason="sglang-router not installed")
+def test_peer_runs_on_the_same_kind_of_fleet() -> None:
+    scenario = tiny_scenario()
+    scenario = replace(scenario, workload=replace(scenario.workload, num_prompts=8))
+    outcomes = run_policies(scenario, [], Traffic(request_rate=None, max_concurrency=4), peer="sglang-router")
+    assert [o.summary.label for o in outcomes] == ["sglang-router"]
+    assert outcomes[0].summary.errors == 0 and sum(outcomes[0].summary.requests_per_replica.values()) == 8
+
+
+def test_cli_run_writes_results_report_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", "shared-prefix", "--policies", "round_robin", "--replicas", "2", "--num-prompts", "12",
+                 "--scale", "0.05", "--time-scale", "0.01", "--request-rate", "200", "--out", str(tmp_path)])
+    assert code == 0
+    assert "round_robin" in capsys.readouterr().out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["runs"]) == 1 and len(results["runs"][0]["requests"]) == 12
+    assert "| round_robin |" in (tmp_path / "report.md").read_text()
+    for plot in ("ttft_cdf.png", "hit_rate.png", "requests_per_replica.png"):
+        assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
