@@ -182,7 +182,8 @@ class Rewriter:
         rules = [Rule(spec.name, embeddable(spec.pattern),
                       config.actions.get(spec.name, spec.action or config.default_action))
                  for spec in config.custom_rules]
-        rules += [Rule(rule.name, rule.pattern, config.actions.get(rule.name, config.default_action), rule.check)
+        rules += [Rule(rule.name, rule.pattern, config.actions.get(rule.name, config.default_action),
+                       rule.check, builtin=True)
                   for rule in BUILTINS if rule.name not in config.disabled]
         self._rules = RuleSet(rules)
 

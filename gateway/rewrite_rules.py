@@ -117,8 +117,10 @@ def _looks_random(match: re.Match[str]) -> bool:
 
 
 BUILTINS: tuple[_Builtin, ...] = (
-    _Builtin("billing_header", r"(?<![\w-])(?i:x-anthropic-billing-header)[ \t]*:[^\r\n]*"),
-    _Builtin("id_line", r"(?<![\w-])" + _ID_KEY + r"[ \t]*[:=][ \t]*" + _ID_VALUE, _id_value_ok),
+    # The (?=...) first-character tests let the regex engine skip an alternative without trying its words.
+    _Builtin("billing_header", r"(?=[xX])(?<![\w-])(?i:x-anthropic-billing-header)[ \t]*:[^\r\n]*"),
+    _Builtin("id_line", r"(?=[cCeEiIjJmMnNrRsStTxX])(?<![\w-])" + _ID_KEY + r"[ \t]*[:=][ \t]*" + _ID_VALUE,
+             _id_value_ok),
     _Builtin("iso_datetime", r"(?<![\w.:/-])" + _ISO),
     _Builtin("uuid", r"(?<!\w)[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}(?!\w)"),
     _Builtin("ulid", r"(?<!\w)(?=[0-9]{0,25}[A-Za-z])[0-7][0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]{25}(?!\w)"),
@@ -154,6 +156,7 @@ class Rule:
     pattern: str
     action: Action
     check: Check | None = None
+    builtin: bool = False   # built-ins obey the gate property below, so they can be scanned sparsely
 
 
 @dataclass(frozen=True)
@@ -166,15 +169,43 @@ class TextRewrite:
     changed: bool
 
 
+Found = tuple[Rule, int, int]
+
+
+class _Alternation:
+    """Rules compiled into one regex; the wrapping group that matched names the rule."""
+
+    def __init__(self, rules: Sequence[Rule]) -> None:
+        self.regex = re.compile("|".join(f"(?P<r{i}>{rule.pattern})" for i, rule in enumerate(rules)))
+        self._rule_at_group = {self.regex.groupindex[f"r{i}"]: rule for i, rule in enumerate(rules)}
+
+    def accept(self, match: re.Match[str] | None) -> Found | None:
+        if match is None or match.end() == match.start():
+            return None
+        rule = self._rule_at_group[match.lastindex or 0]
+        return (rule, match.start(), match.end()) if rule.check is None or rule.check(match) else None
+
+
+# Python's regex engine tries every alternative at every position (~0.3 us per position for the built-ins),
+# too slow for a 2k window on every request. So built-ins are only tried near a *gate*: every built-in span
+# contains a digit in its own run of non-blank characters (uuid, ulid, hex, base64, dates, epochs, and the
+# value of an id_line), or a ':'/'=' at most _KEY_REACH characters after its start on the same line (id_line,
+# billing_header). A gate is found at C speed; only word starts between it and its reach are tried.
+_GATE = re.compile(r"[0-9:=]")
+_BLANK = re.compile(r"\s")
+_WORD_STARTS = re.compile(r"(?<!\w)(?=\S)")  # every built-in needs a non-word character before it
+_KEY_REACH = 48
+
+
 class RuleSet:
-    """All active rules compiled into one alternation, so each string is scanned once."""
+    """The active rules: user rules in one alternation searched everywhere, built-ins in one gated one."""
 
     def __init__(self, rules: Sequence[Rule]) -> None:
         self.rules = tuple(rules)
-        source = "|".join(f"(?P<r{i}>{rule.pattern})" for i, rule in enumerate(self.rules))
-        self._regex = re.compile(source) if self.rules else None
-        self._rule_at_group = {} if self._regex is None else {
-            self._regex.groupindex[f"r{i}"]: rule for i, rule in enumerate(self.rules)}
+        custom = [rule for rule in self.rules if not rule.builtin]
+        builtin = [rule for rule in self.rules if rule.builtin]
+        self._custom = _Alternation(custom) if custom else None
+        self._builtin = _Alternation(builtin) if builtin else None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -201,26 +232,55 @@ class RuleSet:
             return TextRewrite(text, (), tuple(hits), False)
         return TextRewrite(cut(text, spans), tuple(moved), tuple(hits), True)
 
-    def _next(self, text: str, pos: int, limit: int) -> tuple[Rule, int, int] | None:
-        if self._regex is None:
+    def _next(self, text: str, pos: int, limit: int) -> Found | None:
+        """The leftmost span starting in [pos, limit); a user rule wins a tie."""
+        builtin = self._next_builtin(text, pos, limit)
+        custom = self._next_custom(text, pos, limit if builtin is None else builtin[1] + 1)
+        return custom if custom is not None else builtin
+
+    def _next_custom(self, text: str, pos: int, limit: int) -> Found | None:
+        if self._custom is None:
             return None
         size = len(text)
         endpos = min(size, limit + MAX_SPAN_CHARS)
         while pos < limit:
-            match = self._regex.search(text, pos, endpos)
+            match = self._custom.regex.search(text, pos, endpos)
             if match is None or match.start() >= limit:
                 return None
+            start = match.start()
             if endpos < size and match.end() > endpos - _LOOKAHEAD_SLACK:
-                match = self._regex.match(text, match.start())
-                if match is None:
-                    pos += 1
-                    continue
-            start, end = match.span()
-            rule = self._rule_at_group[match.lastindex or 0]
-            if end > start and (rule.check is None or rule.check(match)):
-                return rule, start, end
+                match = self._custom.regex.match(text, start)
+            if (found := self._custom.accept(match)) is not None:
+                return found
             pos = start + 1
         return None
+
+    def _next_builtin(self, text: str, pos: int, limit: int) -> Found | None:
+        if self._builtin is None:
+            return None
+        gate_end = min(len(text), limit + MAX_SPAN_CHARS)
+        tried = pos  # every position before this one has been tried
+        while tried < limit and (gate := _GATE.search(text, tried, gate_end)) is not None:
+            at = gate.start()
+            blank = _BLANK.search(text, at)
+            run_end = min(len(text) if blank is None else blank.start(), limit)
+            # Every word start from the gate's reach to the end of its run, so later gates in the run are done.
+            for start in _WORD_STARTS.finditer(text, _reach_back(text, at, tried), run_end):
+                found = self._builtin.accept(self._builtin.regex.match(text, start.start()))
+                if found is not None:
+                    return found
+            tried = max(run_end, at + 1)
+        return None
+
+
+def _reach_back(text: str, gate: int, floor: int) -> int:
+    """The first position whose span could reach this gate."""
+    if text[gate] in ":=":
+        return max(floor, text.rfind("\n", floor, gate) + 1, gate - _KEY_REACH)
+    start = gate
+    while start > floor and not text[start - 1].isspace():
+        start -= 1
+    return start
 
 
 # The trailer that carries moved spans; its format is documented in gateway/rewrite.py.
