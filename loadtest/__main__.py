@@ -24,8 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run one scenario through each policy on a fresh fleet",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              description="Run one scenario through each policy (and the peer), each on a fresh "
+                              "fleet of simulated replicas, with the same seeded requests. Values left out come "
+                              "from the scenario file (`python -m loadtest list`).")
     add_run_arguments(run)
+    add_workload_arguments(run)
+    add_arrival_arguments(run)
+    add_fleet_arguments(run)
+    add_target_arguments(run)
     commands.add_parser("list", help="list the scenario presets with their sizes and default loads")
     overhead = commands.add_parser("overhead", help="the gateway's own latency and throughput cost",
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -35,42 +41,64 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("scenario", help=f"a preset ({', '.join(list_scenarios())}) or a path to a TOML file")
-    run.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated gateway policies, one run each")
+    run.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
+                     help=f"comma-separated gateway policies, one run each (default: {DEFAULT_POLICIES})")
     run.add_argument("--peer", choices=PEERS, default=None,
-                     help="also run the peer router in front of the same kind of fleet (skipped if not installed)")
-    run.add_argument("--out", type=Path, default=None, help="directory for results.json, report.md and PNG plots")
-    knobs = run.add_argument_group("workload (defaults from the scenario file)")
-    knobs.add_argument("--num-prompts", type=int, default=None,
-                       help="requests (multiturn: clients = num_prompts // rounds); default groups x prompts")
-    knobs.add_argument("--seed", type=int, default=None, help="seed of texts, lengths, order and arrivals")
-    knobs.add_argument("--scale", type=float, default=None, help="factor on every token length of the scenario")
-    knobs.add_argument("--random-range-ratio", type=float, default=None,
-                       help="lengths drawn from [L x ratio, L] as in SGLang's bench; 1.0 = fixed lengths")
-    load = run.add_argument_group("arrivals (simulated requests/s; multiturn: rounds become ready on answers)")
-    load.add_argument("--load", type=LoadLevel, choices=list(LoadLevel), default=None,
-                      help="the scenario's calibrated Poisson rate for this level (default: knee)")
-    load.add_argument("--request-rate", type=float, default=None, help="Poisson arrival rate, simulated req/s")
-    load.add_argument("--max-concurrency", type=int, default=None,
-                      help="cap on requests in flight; alone (no rate, no --load) it makes a closed loop")
-    load.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = E2E)")
-    fleet = run.add_argument_group("fleet (defaults from the scenario file)")
-    fleet.add_argument("--replicas", type=int, default=None, help="simulated LLM replicas")
-    fleet.add_argument("--kv-capacity-tokens", type=int, default=None, help="KV cache capacity per replica, tokens")
-    fleet.add_argument("--time-scale", type=float, default=None,
-                       help="wall seconds per simulated second; reports divide wall times by it")
-    fleet.add_argument("--max-running-requests", type=int, default=None, help="per-replica batch cap")
-    fleet.add_argument("--gateway-arg", action="append", default=[],
-                       help="extra argument for `gateway serve`, repeatable (e.g. --gateway-arg=--cache-threshold=0.5)")
-    slo = run.add_argument_group("goodput SLOs (simulated seconds)")
-    slo.add_argument("--slo-ttft", type=float, default=None, help="TTFT target, s (scenario default, usually 2)")
-    slo.add_argument("--slo-tpot", type=float, default=None, help="TPOT target, s (scenario default, usually 0.1)")
-    target = run.add_argument_group("real deployment")
-    target.add_argument("--target", default=None, help="base URL of a running OpenAI-compatible endpoint; "
-                        "no fleet is started, --policies and --peer are ignored, times are real seconds")
-    target.add_argument("--model", default=None, help="model for --target (default: the first of /v1/models)")
-    target.add_argument("--oracle-capacity-tokens", type=int, default=None,
-                        help="--target: total KV tokens of the deployment, for the oracle hit rate")
+                     help="also run this peer router in front of the same kind of fleet (skipped with a "
+                          "message when not installed; default: none)")
+    run.add_argument("--out", type=Path, default=None, metavar="DIR",
+                     help="write results.json, report.md and PNG plots here (default: print the table only)")
     run.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
+def add_workload_arguments(run: argparse.ArgumentParser) -> None:
+    knobs = run.add_argument_group("workload (defaults from the scenario file)")
+    knobs.add_argument("--num-prompts", type=int, default=None, metavar="N",
+                       help="number of requests (multiturn: clients = N // rounds); default: groups x prompts "
+                            "per group, or clients x rounds")
+    knobs.add_argument("--seed", type=int, default=None, help="seed of texts, lengths, order and arrivals (default 0)")
+    knobs.add_argument("--scale", type=float, default=None, metavar="FACTOR",
+                       help="factor on every token length of the scenario (presets: 0.25, b2b-saas 0.0625)")
+    knobs.add_argument("--random-range-ratio", type=float, default=None, metavar="RATIO",
+                       help="lengths drawn uniformly from [L x RATIO, L] as in SGLang's bench; default 1.0 = fixed")
+    slo = run.add_argument_group("goodput SLOs (simulated seconds)")
+    slo.add_argument("--slo-ttft", type=float, default=None, metavar="S", help="TTFT target in s (default 2.0)")
+    slo.add_argument("--slo-tpot", type=float, default=None, metavar="S", help="TPOT target in s (default 0.1)")
+
+
+def add_arrival_arguments(run: argparse.ArgumentParser) -> None:
+    load = run.add_argument_group("arrivals (simulated requests/s; multiturn: a round is ready when the "
+                                  "previous round of its client has answered)")
+    load.add_argument("--load", choices=[level.value for level in LoadLevel], default=None,
+                      help="use the scenario's calibrated Poisson rate for this level (default: knee)")
+    load.add_argument("--request-rate", type=float, default=None, metavar="RPS",
+                      help="Poisson arrival rate in simulated requests/s (overrides --load)")
+    load.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                      help="cap on requests in flight; given alone (no rate, no --load) it makes a closed loop")
+    load.add_argument("--no-stream", action="store_true", help="non-streaming requests (then TTFT = E2E)")
+
+
+def add_fleet_arguments(run: argparse.ArgumentParser) -> None:
+    fleet = run.add_argument_group("fleet (defaults from the scenario file)")
+    fleet.add_argument("--replicas", type=int, default=None, metavar="N", help="simulated LLM replicas (presets: 4)")
+    fleet.add_argument("--kv-capacity-tokens", type=int, default=None, metavar="TOKENS",
+                       help="KV cache capacity per replica in tokens")
+    fleet.add_argument("--time-scale", type=float, default=None, metavar="S",
+                       help="wall seconds per simulated second (presets: 8.0); reported times are wall / S")
+    fleet.add_argument("--max-running-requests", type=int, default=None, metavar="N",
+                       help="per-replica batch cap (default: the replica's, 256)")
+    fleet.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                       help="extra argument for `gateway serve`, repeatable, e.g. --gateway-arg=--rewrite=off")
+
+
+def add_target_arguments(run: argparse.ArgumentParser) -> None:
+    target = run.add_argument_group("real deployment")
+    target.add_argument("--target", default=None, metavar="URL",
+                        help="base URL of a running OpenAI-compatible endpoint: no fleet is started, "
+                             "--policies/--peer are ignored, times are real seconds")
+    target.add_argument("--model", default=None, help="model for --target (default: the first of /v1/models)")
+    target.add_argument("--oracle-capacity-tokens", type=int, default=None, metavar="TOKENS",
+                        help="--target: total KV tokens of the deployment, for the oracle (default: no oracle)")
 
 
 def add_overhead_arguments(overhead: argparse.ArgumentParser) -> None:
@@ -99,7 +127,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
 def traffic_from_args(args: argparse.Namespace, scenario: Scenario) -> Traffic:
     rate = args.request_rate
     if rate is None and (args.load is not None or args.max_concurrency is None):
-        rate = scenario.load.rate(args.load or LoadLevel.KNEE)
+        rate = scenario.load.rate(LoadLevel(args.load or LoadLevel.KNEE.value))
     return Traffic(request_rate=rate, max_concurrency=args.max_concurrency, stream=not args.no_stream)
 
 

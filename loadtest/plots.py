@@ -51,14 +51,17 @@ def hit_rates(path: Path, name: str, outcomes: Sequence[RunOutcome]) -> Path:
 def requests_per_replica(path: Path, name: str, outcomes: Sequence[RunOutcome]) -> Path:
     figure, axes = plt.subplots(figsize=(7, 4.5))
     width = 0.8 / max(1, len(outcomes))
+    replicas = max((len(o.summary.requests_per_replica) for o in outcomes), default=0)
     for index, outcome in enumerate(outcomes):
         counts = list(outcome.summary.requests_per_replica.values())
-        positions = [replica + index * width for replica in range(len(counts))]
+        positions = [replica - 0.4 + (index + 0.5) * width for replica in range(len(counts))]
         axes.bar(positions, counts, width=width, label=outcome.summary.label)
-    axes.set_xlabel("replica (sorted by id)")
+    # Replica ids differ between runs (fresh ports), so replicas are numbered by their sorted id.
+    axes.set_xticks(range(replicas), [f"replica {i}" for i in range(replicas)])
+    axes.set_xlabel("replica (numbered by sorted id within each run)")
     axes.set_ylabel("requests served")
     axes.set_title(f"{name}: requests per replica")
-    axes.legend()
+    axes.legend(loc="lower right")
     return _save(figure, path)
 
 

@@ -69,3 +69,27 @@ def test_cli_run_writes_results_report_and_plots(tmp_path: Path, capsys: pytest.
     assert "| round_robin |" in (tmp_path / "report.md").read_text()
     for plot in ("ttft_cdf.png", "hit_rate.png", "requests_per_replica.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_target_mode_drives_a_running_endpoint_and_reads_its_cached_tokens() -> None:
+    from loadtest.fleet import running_fleet
+    from loadtest.runner import run_target
+
+    with running_fleet() as fleet:
+        replica = fleet.start_replica(args=["--model", "served-model", "--time-scale", "0"])
+        outcome = run_target(tiny_scenario(), replica.url, Traffic(request_rate=None, max_concurrency=2),
+                             oracle_capacity_tokens=100_000)
+    assert outcome.summary.requests == 16 and outcome.summary.errors == 0
+    assert outcome.summary.hit_rate > 0.5 and outcome.summary.oracle_hit_rate is not None
+
+
+def test_mixed_models_route_embeddings_to_the_embedding_pool() -> None:
+    scenario = tiny_scenario(Kind.MIXED_MODELS)
+    scenario = replace(scenario, workload=replace(scenario.workload, embedding_share=0.25, embedding_tokens=16),
+                       fleet=replace(scenario.fleet, embedding_replicas=1))
+    (outcome,) = run_policies(scenario, ["prefix_aware"], Traffic(request_rate=None, max_concurrency=4))
+    assert outcome.summary.errors == 0
+    embeddings = [r for r in outcome.drive.results if r.kind.value == "embedding"]
+    assert len(embeddings) == 4 and all(r.prompt_tokens > 0 for r in embeddings)
+    assert len({r.replica for r in embeddings}) == 1
+    assert not {r.replica for r in embeddings} & set(outcome.summary.requests_per_replica)
