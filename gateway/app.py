@@ -51,8 +51,6 @@ GENERATION_PATHS = {
     "/generate": Endpoint.GENERATE,
     "/v1/embeddings": Endpoint.EMBEDDING,
 }
-# A backend reporting less than this share of the predicted cached tokens has evicted that prefix.
-EVICTION_EVIDENCE_RATIO = 0.5
 
 
 @dataclass(frozen=True)
@@ -186,12 +184,8 @@ class Gateway:
         predicted = min(placement.predicted_cached_tokens, usage.prompt_tokens)
         self.metrics.cached_tokens.labels(*labels).inc(usage.cached_tokens)
         self.metrics.predicted_cached_tokens.labels(*labels).inc(predicted)
-        if predicted and usage.cached_tokens < predicted * EVICTION_EVIDENCE_RATIO:
-            # The backend evicted part of what the index thought it held: forget that part.
-            request = placement.request
-            keep_blocks = int(usage.cached_tokens * request.chars_per_token) // request.block_chars
-            if placement.backend.index.truncate(request.hashes, keep_blocks):
-                self.metrics.index_corrections.labels(placement.backend.url).inc()
+        if placement.learn(usage.cached_tokens):
+            self.metrics.index_corrections.labels(placement.backend.url).inc()
 
     # -- read-only endpoints ----------------------------------------------------------------------------
 

@@ -17,6 +17,9 @@ from gateway.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin
 from gateway.policies.cache_aware import CacheAware
 from gateway.policies.prefix_aware import PrefixAware
 
+# A backend reporting less than this share of the predicted cached tokens has evicted that prefix.
+EVICTION_EVIDENCE_RATIO = 0.5
+
 
 @dataclass(frozen=True)
 class RoutingConfig:
@@ -27,6 +30,7 @@ class RoutingConfig:
     block_chars: int = 64
     chars_per_token: float = 4.0
     decode_weight_tokens: float = 16.0
+    spill_threshold_tokens: int = 8192
     metrics_max_age_s: float = 2.0
 
 
@@ -43,7 +47,7 @@ def make_policy(config: RoutingConfig) -> Policy:
     if name is PolicyName.CACHE_AWARE:
         return CacheAware(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold)
     return PrefixAware(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold,
-                       config.decode_weight_tokens, config.metrics_max_age_s)
+                       config.decode_weight_tokens, config.spill_threshold_tokens, config.metrics_max_age_s)
 
 
 class Placement:
@@ -70,6 +74,15 @@ class Placement:
         if self._prefilling:
             self._prefilling = False
             self.backend.prefill_done(self.prefill_tokens)
+
+    def learn(self, reported_cached_tokens: int) -> bool:
+        """Correct the index when the backend reports far fewer cached tokens than predicted: it evicted
+        that part of the prefix. Returns whether the index changed."""
+        if reported_cached_tokens >= self.predicted_cached_tokens * EVICTION_EVIDENCE_RATIO:
+            return False
+        request = self.request
+        keep_blocks = int(reported_cached_tokens * request.chars_per_token) // request.block_chars
+        return self.backend.index.truncate(request.hashes, keep_blocks) > 0
 
     def finish(self) -> None:
         if not self._finished:

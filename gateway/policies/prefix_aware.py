@@ -1,27 +1,34 @@
-"""`prefix_aware` (the default): go where the prompt's prefix is cached, unless waiting there costs more.
+"""`prefix_aware` (the default): sticky to the deepest cached prefix until its holder saturates.
 
-Every healthy backend gets a cost in prompt tokens, an estimate of the work standing between this request and
-its first token on that backend:
+Per request, with `match(b)` the blocks of the prompt backend `b` is predicted to hold (its prefix index):
+
+1. **Affinity.** If some backend holds at least `cache_threshold` of the prompt, the *owners* are the backends
+   with the deepest match. A conversation therefore follows its own history, not the system prompt every
+   backend holds: only the backend its earlier turns went to holds the history. Among several owners (a hot
+   prefix already replicated) the least loaded one is taken.
+2. **Sticky until saturated.** The owner is kept unless its queued prefill exceeds `spill_threshold_tokens`
+   (default 8192, one chunked-prefill batch of SGLang: about 0.3 s of prefill for an 8B model on an H100).
+   Then the request goes to the backend of least estimated cost (below), usually one that holds a shorter
+   prefix (route `spill`). The spill target caches the prefix too and becomes an owner, so a hot prefix is
+   replicated onto as many backends as its traffic needs, and no more.
+3. **Cold prompts** (no useful match anywhere) go to the backend of least cost; on equal costs the one whose
+   index is emptiest, then rotation, so new prefixes spread instead of piling onto the first backend
+   (sglang-router's ties go to the first worker).
+
+Load is an estimate, in prompt tokens, of the work ahead of this request on a backend:
 
     cost(b) = queued_prefill(b) + uncached(b) + decode_weight_tokens * in_flight(b)
 
-- `uncached(b)`: the request's prompt tokens minus those `b` is predicted to hold (its prefix index), i.e. the
-  prefill this request would cause there. A conversation therefore follows its own history, not the system
-  prompt every backend holds, because its history is cached only where its earlier turns went.
-- `queued_prefill(b)`: uncached prompt tokens of requests already sent to `b` that have not produced a first
-  byte yet (reserved at decision time, so a burst sees its own placements), or, when `b`'s own `/metrics`
-  report is fresh (younger than `signal_max_age_s`) and shows a longer queue (traffic from elsewhere), that
-  queue times this request's prompt length, the best stand-in for the queued prompts we did not see.
-- `decode_weight_tokens * in_flight(b)`: running requests slow every decode step and hold KV memory.
-
-The cheapest backend wins; equal costs rotate (cold prefixes spread instead of piling onto the first backend).
-This is "sticky until saturated": a hot prefix stays on its owner until the owner's queue outweighs
-recomputing the prefix elsewhere, then it is *replicated* onto the next backend (route `spill`), which from
-then on is an owner too.
+`queued_prefill(b)` is the uncached prompt tokens of requests sent to `b` that have not produced a first byte
+yet (reserved at decision time, so a burst sees its own placements), or, when `b`'s own `/metrics` are fresher
+than `signal_max_age_s` and show a longer queue (traffic from elsewhere), that queue times this request's
+prompt length. `uncached(b)` is the prefill this request would cause there. `decode_weight_tokens * in_flight`
+stands for the decode steps and KV memory running requests take.
 
 Guard rail, with sglang-router's knobs: a backend more than `balance_abs_threshold` requests and
-`balance_rel_threshold` times above the least loaded one is not chosen while another is available.
-`cache_threshold` only labels the route (`prefix` when the chosen backend holds at least that share).
+`balance_rel_threshold` times above the least loaded one is not chosen while another is available, whatever
+it holds. Unlike sglang-router's imbalance gate this never throws affinity away fleet-wide: only the
+overloaded backend is skipped, and the next-best holder of the prefix is still preferred.
 """
 
 from __future__ import annotations
@@ -37,22 +44,31 @@ class PrefixAware:
     name = "prefix_aware"
 
     def __init__(self, cache_threshold: float, balance_abs_threshold: int, balance_rel_threshold: float,
-                 decode_weight_tokens: float = 16.0, signal_max_age_s: float = 2.0) -> None:
+                 decode_weight_tokens: float = 16.0, spill_threshold_tokens: int = 8192,
+                 signal_max_age_s: float = 2.0) -> None:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.decode_weight_tokens = decode_weight_tokens
+        self.spill_threshold_tokens = spill_threshold_tokens
         self.signal_max_age_s = signal_max_age_s
         self._turn = 0
 
     def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
         self._turn += 1
-        matches = [backend.index.match(request.hashes) for backend in backends]
-        allowed = self._not_saturated(backends)
-        count = len(backends)
-        order = [(self._turn + i) % count for i in range(count)]  # rotation breaks ties fairly
-        best = min((i for i in order if allowed[i]), key=lambda i: self.cost(backends[i], matches[i], request))
-        return Decision(backends[best], self._route(matches, best, request), matches[best])
+        eligible = self._not_saturated(backends)
+        matches = {id(b): b.index.match(request.hashes) for b in eligible}
+        deepest = max(matches.values())
+        if deepest and request.match_fraction(deepest) >= self.cache_threshold:
+            owners = [b for b in eligible if matches[id(b)] == deepest]
+            owner = self._cheapest(owners, matches, request)
+            if self.queued_prefill(owner, request) <= self.spill_threshold_tokens:
+                return Decision(owner, Route.PREFIX, deepest)
+            chosen = self._cheapest(eligible, matches, request)
+            route = Route.PREFIX if matches[id(chosen)] == deepest else Route.SPILL
+            return Decision(chosen, route, matches[id(chosen)])
+        chosen = self._cheapest(eligible, matches, request)
+        return Decision(chosen, Route.LEAST_LOAD, matches[id(chosen)])
 
     def cost(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> float:
         uncached = max(0, request.prompt_tokens - request.tokens(matched_blocks * request.block_chars))
@@ -65,13 +81,14 @@ class PrefixAware:
             queued = max(queued, signals.queued_requests * request.prompt_tokens)
         return queued
 
-    def _not_saturated(self, backends: Sequence[Backend]) -> list[bool]:
-        low = min(backend.in_flight for backend in backends)
-        return [not (b.in_flight - low > self.balance_abs_threshold and b.in_flight > low * self.balance_rel_threshold)
-                for b in backends]
+    def _cheapest(self, backends: Sequence[Backend], matches: dict[int, int], request: RoutingRequest) -> Backend:
+        """Least cost; ties to the emptiest index (room for a new prefix), then by rotation."""
+        count = len(backends)
+        rotated = [backends[(self._turn + i) % count] for i in range(count)]
+        return min(rotated, key=lambda b: (self.cost(b, matches[id(b)], request),
+                                           b.index.size_blocks / b.index.capacity_blocks))
 
-    def _route(self, matches: Sequence[int], best: int, request: RoutingRequest) -> Route:
-        deepest = max(matches)
-        if request.match_fraction(deepest) < self.cache_threshold or not deepest:
-            return Route.LEAST_LOAD
-        return Route.PREFIX if matches[best] == deepest else Route.SPILL
+    def _not_saturated(self, backends: Sequence[Backend]) -> list[Backend]:
+        low = min(backend.in_flight for backend in backends)
+        return [b for b in backends
+                if not (b.in_flight - low > self.balance_abs_threshold and b.in_flight > low * self.balance_rel_threshold)]

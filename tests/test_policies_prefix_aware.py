@@ -1,0 +1,99 @@
+"""prefix_aware on hand-built situations: the behaviours its module docstring promises."""
+
+import time
+
+from gateway.backends import LoadSignals
+from gateway.policies import Route
+from gateway.policies.prefix_aware import PrefixAware
+from gateway.router import Placement
+from tests.policy_fixtures import make_backends, request, text
+
+SYSTEM = text("shared system prompt", 4000)
+
+
+def policy(**overrides: float) -> PrefixAware:
+    settings = {"cache_threshold": 0.3, "balance_abs_threshold": 64, "balance_rel_threshold": 1.5,
+                "decode_weight_tokens": 16.0, "spill_threshold_tokens": 2000}
+    settings.update(overrides)
+    return PrefixAware(**settings)  # type: ignore[arg-type]
+
+
+def test_conversation_follows_its_history_not_the_shared_system_prompt() -> None:
+    backends = make_backends(3)
+    for backend in backends:
+        backend.index.insert(request(SYSTEM).hashes)
+    turn1 = SYSTEM + text("user: my order is late", 800)
+    backends[2].index.insert(request(turn1).hashes)
+    decision = policy().choose(backends, request(turn1 + text("assistant: sorry user: where is it", 400)))
+    assert decision.backend is backends[2] and decision.route is Route.PREFIX
+
+
+def test_new_conversations_behind_a_shared_system_prompt_spread() -> None:
+    backends = make_backends(3)
+    for backend in backends:
+        backend.index.insert(request(SYSTEM).hashes)
+    chooser = policy()
+    chosen = []
+    for i in range(6):
+        placement = Placement(chooser.choose(backends, request(SYSTEM + text(f"user {i} asks", 400))),
+                              request(SYSTEM + text(f"user {i} asks", 400)))
+        chosen.append(placement.backend.url)  # stays reserved: in flight, as under load
+    assert set(chosen) == {b.url for b in backends}
+
+
+def test_hot_prefix_spills_when_its_owner_saturates_and_stays_otherwise() -> None:
+    backends = make_backends(3)
+    hot = text("hot tenant prompt", 6000)
+    backends[0].index.insert(request(hot).hashes)
+    chooser = policy()
+    backends[0].pending_prefill_tokens = 1500  # under the spill threshold: sticky
+    assert chooser.choose(backends, request(hot + "q1")).backend is backends[0]
+    backends[0].pending_prefill_tokens = 5000  # saturated: replicate elsewhere
+    spilled = chooser.choose(backends, request(hot + "q2"))
+    assert spilled.backend is not backends[0] and spilled.route is Route.SPILL
+    spilled.backend.index.insert(request(hot + "q2").hashes)
+    # Two owners now: the less loaded one takes the next request, with affinity.
+    again = chooser.choose(backends, request(hot + "q3"))
+    assert again.backend is spilled.backend and again.route is Route.PREFIX
+
+
+def test_cold_prefixes_spread_to_the_emptiest_backend_instead_of_the_first() -> None:
+    backends = make_backends(3, capacity_blocks=1000)
+    backends[0].index.insert(list(range(1, 500)))
+    backends[1].index.insert(list(range(1000, 1200)))
+    decision = policy().choose(backends, request(text("brand new prefix", 3000)))
+    assert decision.backend is backends[2] and decision.route is Route.LEAST_LOAD
+
+
+def test_fresh_backend_metrics_count_but_stale_ones_are_ignored() -> None:
+    backends = make_backends(2)
+    cold = request(text("cold", 2000))
+    backends[0].signals = LoadSignals(queued_requests=30, running_requests=5, kv_usage=0.5,
+                                      read_at_s=time.monotonic())
+    chooser = policy(signal_max_age_s=2.0)
+    assert all(chooser.choose(backends, cold).backend is backends[1] for _ in range(4))
+    backends[0].signals = LoadSignals(queued_requests=30, running_requests=5, kv_usage=0.5,
+                                      read_at_s=time.monotonic() - 10)
+    assert {chooser.choose(backends, cold).backend.url for _ in range(4)} == {b.url for b in backends}
+
+
+def test_overloaded_owner_is_skipped_by_the_guard_rail_but_affinity_survives() -> None:
+    backends = make_backends(3)
+    prompt = text("popular", 4000)
+    backends[0].index.insert(request(prompt).hashes)
+    backends[1].index.insert(request(prompt[:2400]).hashes)  # a shorter part of it
+    backends[0].in_flight = 100
+    decision = policy().choose(backends, request(prompt + "q"))
+    assert decision.backend is backends[1] and decision.route is Route.PREFIX
+
+
+def test_reported_cached_tokens_far_below_prediction_correct_the_index() -> None:
+    backends = make_backends(1)
+    prompt = request(text("evicted later", 4000))
+    backends[0].index.insert(prompt.hashes)
+    placement = Placement(policy().choose(backends, prompt), prompt)
+    assert placement.predicted_cached_tokens > 900
+    assert not placement.learn(reported_cached_tokens=placement.predicted_cached_tokens - 20)  # tokenizer noise
+    assert placement.learn(reported_cached_tokens=256)  # the backend kept only the head
+    assert backends[0].index.match(prompt.hashes) == 256 * 4 // 64
+    backends[0].index.check_invariants()
