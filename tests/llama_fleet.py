@@ -13,9 +13,25 @@ Usage::
 
 or, in pytest, the ``llama_fleet_factory`` fixture below.
 
-Each server binds 127.0.0.1 on a free port, runs with one CPU thread, and is
-stopped (SIGTERM, then SIGKILL) when the block ends. Its output goes to a log
-file whose tail is shown if it fails to become ready.
+Each server binds 127.0.0.1 on a free port, runs with one CPU thread, serves
+the model under the id ``tiny-llama`` (``--alias``), and is stopped (SIGTERM,
+then SIGKILL) when the block ends. Its output goes to a log file whose tail is
+shown if it fails to become ready.
+
+Facts about llama-server worth knowing in tests (llama.cpp b11434):
+
+- ``/health`` answers 503 ``{"error":{"message":"Loading model",...}}`` while
+  loading and 200 ``{"status":"ok"}`` when ready (also when all slots are busy).
+- Prompt-cache reuse is reported as ``usage.prompt_tokens_details.cached_tokens``
+  and ``timings.cache_n``. With the default ``--slot-prompt-similarity 0.1``,
+  conversations sharing a system prompt all land on the slot that holds it and
+  overwrite each other; pass ``extra_args=["-sps", "0"]`` for LRU slot choice,
+  which also saves/restores slots through the RAM prompt cache (``--cache-ram``,
+  on by default) so a follow-up turn reuses its whole prefix on any slot.
+- After a *streamed* response the server often closes the keep-alive
+  connection without saying so; a pooled client that reuses it gets
+  "Server disconnected without sending a response". Send
+  ``Connection: close`` on streamed requests, or retry such failures once.
 """
 
 from __future__ import annotations
@@ -147,6 +163,7 @@ def llama_fleet(
     threads: int = 1,
     extra_args: Sequence[str] = (),
     ready_timeout: float = 60.0,
+    alias: str = "tiny-llama",
     env: dict[str, str] | None = None,
 ) -> Iterator[list[LlamaServer]]:
     """Start ``n`` llama-servers with the tiny model; yield them once all are ready.
@@ -172,6 +189,7 @@ def llama_fleet(
                     "-c", str(ctx_size),
                     "-np", str(parallel),
                     "-t", str(threads),
+                    "--alias", alias,
                     "--metrics",
                     "--slots",
                     *extra_args,

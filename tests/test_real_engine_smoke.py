@@ -30,7 +30,7 @@ def test_two_servers_answer_a_chat_each() -> None:
                 ) as client,
             ):
                 models = client.models.list()
-                assert models.data, "no model listed"
+                assert [m.id for m in models.data] == ["tiny-llama"]
                 resp = client.chat.completions.create(
                     model=models.data[0].id,
                     messages=[
