@@ -36,7 +36,7 @@ from gateway.errors import BadRequest, GatewayError, PayloadTooLarge
 from gateway.health import Upkeep
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import Endpoint, routing_text, validate_body
-from gateway.rewrite import Rewriter
+from gateway.rewrite import Rewriter, enabled_for
 from gateway.router import Placement, Router
 from gateway.upstream import (Outcome, RelayResponse, broken, create_client, forwarded_headers, is_retryable,
                               log_ignored_proxy_environment, send_upstream)
@@ -81,7 +81,7 @@ class Gateway:
 
     async def relay(self, request: Request) -> Response:
         exchange = await self.parse(request, GENERATION_PATHS[request.url.path])
-        exchange = self.rewrite(exchange, request.headers.get("x-gateway-rewrite", ""))
+        exchange = self.rewrite(exchange, opted_out=not enabled_for(request.headers))
         routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body))
         tried: list[Placement] = []
         while True:
@@ -125,9 +125,8 @@ class Gateway:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def rewrite(self, exchange: Exchange, opt_out_header: str) -> Exchange:
-        result = self.rewriter.rewrite(exchange.endpoint, exchange.body, exchange.model,
-                                       opted_out=opt_out_header.strip().lower() == "off")
+    def rewrite(self, exchange: Exchange, opted_out: bool) -> Exchange:
+        result = self.rewriter.rewrite(exchange.endpoint, exchange.body, exchange.model, opted_out=opted_out)
         for hit in result.hits:
             self.metrics.rewritten_spans.labels(hit.rule, hit.action.value).inc()
         if result.body is None:
