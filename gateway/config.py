@@ -143,9 +143,8 @@ OPTIONS: tuple[Option, ...] = (
            "...and the factor by which it must exceed it (both must hold)"),
     Option("decode_weight_tokens", "routing", "decode_weight_tokens", _at_least(0.0, _float),
            "prefix_aware: prompt tokens of prefill one running request is worth in a backend's cost"),
-    Option("spill_threshold_tokens", "routing", "spill_threshold_tokens", _at_least(0, _int),
-           "prefix_aware: queued prefill tokens on a prefix's holder beyond which the prefix is replicated onto "
-           "another backend"),
+    Option("affinity_weight", "routing", "affinity_weight", _at_least(1.0, _float),
+           "prefix_aware: how many queued prefill tokens one uncached prompt token is worth (higher = stickier)"),
     Option("block_chars", "routing", "block_chars", _at_least(8, _int),
            "characters per hashed block of the prefix index (~16 tokens at 64)"),
     Option("chars_per_token", "routing", "chars_per_token", _at_least(0.5, _float),

@@ -30,7 +30,7 @@ class RoutingConfig:
     block_chars: int = 64
     chars_per_token: float = 4.0
     decode_weight_tokens: float = 16.0
-    spill_threshold_tokens: int = 8192
+    affinity_weight: float = 4.0
     metrics_max_age_s: float = 2.0
 
 
@@ -47,7 +47,7 @@ def make_policy(config: RoutingConfig) -> Policy:
     if name is PolicyName.CACHE_AWARE:
         return CacheAware(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold)
     return PrefixAware(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold,
-                       config.decode_weight_tokens, config.spill_threshold_tokens, config.metrics_max_age_s)
+                       config.decode_weight_tokens, config.affinity_weight, config.metrics_max_age_s)
 
 
 class Placement:

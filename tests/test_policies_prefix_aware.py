@@ -13,7 +13,7 @@ SYSTEM = text("shared system prompt", 4000)
 
 def policy(**overrides: float) -> PrefixAware:
     settings = {"cache_threshold": 0.3, "balance_abs_threshold": 64, "balance_rel_threshold": 1.5,
-                "decode_weight_tokens": 16.0, "spill_threshold_tokens": 2000}
+                "decode_weight_tokens": 16.0, "affinity_weight": 4.0}
     settings.update(overrides)
     return PrefixAware(**settings)  # type: ignore[arg-type]
 
@@ -26,6 +26,18 @@ def test_conversation_follows_its_history_not_the_shared_system_prompt() -> None
     backends[2].index.insert(request(turn1).hashes)
     decision = policy().choose(backends, request(turn1 + text("assistant: sorry user: where is it", 400)))
     assert decision.backend is backends[2] and decision.route is Route.PREFIX
+
+
+def test_conversations_behind_a_short_shared_prompt_held_by_one_backend_spread() -> None:
+    backends = make_backends(3)
+    short_system = text("short system prompt", 600)
+    backends[0].index.insert(request(short_system).hashes)
+    chooser = policy()
+    chosen = set()
+    for i in range(6):
+        prompt = request(short_system + text(f"distinct question {i}", 1200))
+        chosen.add(Placement(chooser.choose(backends, prompt), prompt).backend.url)  # reserved, as under load
+    assert chosen == {b.url for b in backends}
 
 
 def test_new_conversations_behind_a_shared_system_prompt_spread() -> None:
@@ -46,9 +58,9 @@ def test_hot_prefix_spills_when_its_owner_saturates_and_stays_otherwise() -> Non
     hot = text("hot tenant prompt", 6000)
     backends[0].index.insert(request(hot).hashes)
     chooser = policy()
-    backends[0].pending_prefill_tokens = 1500  # under the spill threshold: sticky
+    backends[0].pending_prefill_tokens = 3000  # under 4x the 1,500 tokens it saves: sticky
     assert chooser.choose(backends, request(hot + "q1")).backend is backends[0]
-    backends[0].pending_prefill_tokens = 5000  # saturated: replicate elsewhere
+    backends[0].pending_prefill_tokens = 9000  # saturated: replicate elsewhere
     spilled = chooser.choose(backends, request(hot + "q2"))
     assert spilled.backend is not backends[0] and spilled.route is Route.SPILL
     spilled.backend.index.insert(request(hot + "q2").hashes)

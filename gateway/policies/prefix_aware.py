@@ -1,34 +1,32 @@
-"""`prefix_aware` (the default): sticky to the deepest cached prefix until its holder saturates.
+"""`prefix_aware` (the default): weigh the prefill a backend would save against the work queued on it.
 
-Per request, with `match(b)` the blocks of the prompt backend `b` is predicted to hold (its prefix index):
+Every healthy backend gets a cost in prompt tokens; the cheapest wins:
 
-1. **Affinity.** If some backend holds at least `cache_threshold` of the prompt, the *owners* are the backends
-   with the deepest match. A conversation therefore follows its own history, not the system prompt every
-   backend holds: only the backend its earlier turns went to holds the history. Among several owners (a hot
-   prefix already replicated) the least loaded one is taken.
-2. **Sticky until saturated.** The owner is kept unless its queued prefill exceeds `spill_threshold_tokens`
-   (default 8192, one chunked-prefill batch of SGLang: about 0.3 s of prefill for an 8B model on an H100).
-   Then the request goes to the backend of least estimated cost (below), usually one that holds a shorter
-   prefix (route `spill`). The spill target caches the prefix too and becomes an owner, so a hot prefix is
-   replicated onto as many backends as its traffic needs, and no more.
-3. **Cold prompts** (no useful match anywhere) go to the backend of least cost; on equal costs the one whose
-   index is emptiest, then rotation, so new prefixes spread instead of piling onto the first backend
-   (sglang-router's ties go to the first worker).
+    cost(b) = queued_prefill(b) + affinity_weight * uncached(b) + decode_weight_tokens * in_flight(b)
 
-Load is an estimate, in prompt tokens, of the work ahead of this request on a backend:
+- `uncached(b)`: the request's prompt tokens minus those `b` is predicted to hold (its prefix index), i.e. the
+  prefill this request would cause there. A conversation therefore follows its own history, not the system
+  prompt every backend holds: only the backend its earlier turns went to holds the history.
+- `affinity_weight` (default 4) makes recomputation dearer than waiting: uncached tokens cost the backend
+  prefill time *and* evict other prefixes from its cache. So a prefix stays on its holder ("sticky") until the
+  holder's queue exceeds about four times the prefill it saves, then it is replicated onto the next backend
+  (route `spill`), which holds it from then on. A hot prefix spreads over as many backends as its traffic
+  needs; a short shared prefix (a system prompt before distinct questions) saves little, so requests behind
+  it spread as soon as queues differ — unlike sglang-router, which pins them all to the prefix's first owner.
+- `queued_prefill(b)`: uncached prompt tokens of requests sent to `b` that have not produced a first byte yet
+  (reserved at decision time, so a burst sees its own placements), or, when `b`'s own `/metrics` are fresher
+  than `signal_max_age_s` and show a longer queue (traffic from elsewhere), that queue times this request's
+  prompt length. For non-streamed requests the first byte is the whole answer, so this overestimates.
+- `decode_weight_tokens * in_flight(b)`: the decode steps and KV memory running requests take.
 
-    cost(b) = queued_prefill(b) + uncached(b) + decode_weight_tokens * in_flight(b)
-
-`queued_prefill(b)` is the uncached prompt tokens of requests sent to `b` that have not produced a first byte
-yet (reserved at decision time, so a burst sees its own placements), or, when `b`'s own `/metrics` are fresher
-than `signal_max_age_s` and show a longer queue (traffic from elsewhere), that queue times this request's
-prompt length. `uncached(b)` is the prefill this request would cause there. `decode_weight_tokens * in_flight`
-stands for the decode steps and KV memory running requests take.
+Equal costs (cold prompts on idle backends) go to the backend whose index is emptiest, then by rotation, so
+new prefixes spread instead of piling onto the first backend.
 
 Guard rail, with sglang-router's knobs: a backend more than `balance_abs_threshold` requests and
-`balance_rel_threshold` times above the least loaded one is not chosen while another is available, whatever
-it holds. Unlike sglang-router's imbalance gate this never throws affinity away fleet-wide: only the
-overloaded backend is skipped, and the next-best holder of the prefix is still preferred.
+`balance_rel_threshold` times above the least loaded one is not chosen while another is available. Unlike
+sglang-router's imbalance gate this never throws affinity away fleet-wide: only that backend is skipped.
+`cache_threshold` labels the route: `prefix` when the chosen backend holds the deepest match and it covers at
+least that share of the prompt, `spill` when another backend held more, `least-load` otherwise.
 """
 
 from __future__ import annotations
@@ -44,13 +42,13 @@ class PrefixAware:
     name = "prefix_aware"
 
     def __init__(self, cache_threshold: float, balance_abs_threshold: int, balance_rel_threshold: float,
-                 decode_weight_tokens: float = 16.0, spill_threshold_tokens: int = 8192,
+                 decode_weight_tokens: float = 16.0, affinity_weight: float = 4.0,
                  signal_max_age_s: float = 2.0) -> None:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.decode_weight_tokens = decode_weight_tokens
-        self.spill_threshold_tokens = spill_threshold_tokens
+        self.affinity_weight = affinity_weight
         self.signal_max_age_s = signal_max_age_s
         self._turn = 0
 
@@ -58,21 +56,18 @@ class PrefixAware:
         self._turn += 1
         eligible = self._not_saturated(backends)
         matches = {id(b): b.index.match(request.hashes) for b in eligible}
-        deepest = max(matches.values())
-        if deepest and request.match_fraction(deepest) >= self.cache_threshold:
-            owners = [b for b in eligible if matches[id(b)] == deepest]
-            owner = self._cheapest(owners, matches, request)
-            if self.queued_prefill(owner, request) <= self.spill_threshold_tokens:
-                return Decision(owner, Route.PREFIX, deepest)
-            chosen = self._cheapest(eligible, matches, request)
-            route = Route.PREFIX if matches[id(chosen)] == deepest else Route.SPILL
-            return Decision(chosen, route, matches[id(chosen)])
         chosen = self._cheapest(eligible, matches, request)
-        return Decision(chosen, Route.LEAST_LOAD, matches[id(chosen)])
+        matched, deepest = matches[id(chosen)], max(matches.values())
+        if not deepest or request.match_fraction(deepest) < self.cache_threshold:
+            route = Route.LEAST_LOAD
+        else:
+            route = Route.PREFIX if matched == deepest else Route.SPILL
+        return Decision(chosen, route, matched)
 
     def cost(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> float:
         uncached = max(0, request.prompt_tokens - request.tokens(matched_blocks * request.block_chars))
-        return self.queued_prefill(backend, request) + uncached + self.decode_weight_tokens * backend.in_flight
+        return (self.queued_prefill(backend, request) + self.affinity_weight * uncached
+                + self.decode_weight_tokens * backend.in_flight)
 
     def queued_prefill(self, backend: Backend, request: RoutingRequest) -> float:
         queued = float(backend.pending_prefill_tokens)
