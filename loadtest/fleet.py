@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from gateway.upstream import PROXY_VARIABLES
+
 LOOPBACK = "127.0.0.1"
-PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
 
 
 class FleetError(RuntimeError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 
@@ -41,7 +42,6 @@ def test_upstream_calls_ignore_proxy_variables_pointing_at_a_dead_proxy(fleet: F
     env = {name: dead_proxy for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
                                          "all_proxy")}
     env["NO_PROXY"] = env["no_proxy"] = ""
-    import os
     replicas = fleet.start_replicas(2, args=["--time-scale", "0.01", "--log-level", "warning"])
     gateway = fleet.start_gateway(replicas.urls, env={**os.environ, **env})  # waits for /ready: health checks passed
     for stream in (False, True):
