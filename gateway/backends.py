@@ -7,6 +7,7 @@ model M right now".
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 from collections.abc import Iterable, Sequence
@@ -50,22 +51,40 @@ class Backend:
     consecutive_successes: int = 0
     capacity_tokens: int | None = None
     in_flight: int = 0
-    pending_prefill_tokens: int = 0  # reserved uncached prompt tokens of requests not yet past first byte
+    prefilling: int = 0  # requests sent that have not produced a first byte yet
+    pending_prefill_tokens: int = 0  # their reserved uncached prompt tokens
+    # Distinct prompt blocks of the requests in flight: the KV memory they pin on the engine. A prefix shared by
+    # many running requests counts once, as it does in the engine's pool.
+    active_blocks: int = 0
     signals: LoadSignals | None = None
+    _active_refs: collections.Counter[int] = field(default_factory=collections.Counter, repr=False)
 
     @property
     def url(self) -> str:
         return self.spec.url
 
-    def reserve(self, prefill_tokens: int) -> None:
+    def reserve(self, prefill_tokens: int, hashes: Sequence[int]) -> None:
         self.in_flight += 1
+        self.prefilling += 1
         self.pending_prefill_tokens += prefill_tokens
+        refs = self._active_refs
+        for block in hashes:
+            refs[block] += 1
+            self.active_blocks += refs[block] == 1
 
     def prefill_done(self, prefill_tokens: int) -> None:
+        self.prefilling = max(0, self.prefilling - 1)
         self.pending_prefill_tokens = max(0, self.pending_prefill_tokens - prefill_tokens)
 
-    def release(self) -> None:
+    def release(self, hashes: Sequence[int]) -> None:
         self.in_flight = max(0, self.in_flight - 1)
+        refs = self._active_refs
+        for block in hashes:
+            if refs[block] <= 1:
+                self.active_blocks -= block in refs
+                refs.pop(block, None)
+            else:
+                refs[block] -= 1
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:
@@ -86,6 +105,7 @@ class Backend:
         return {
             "url": self.url, "model": self.model, "engine": self.engine, "healthy": self.healthy,
             "in_flight": self.in_flight, "pending_prefill_tokens": self.pending_prefill_tokens,
+            "active_blocks": self.active_blocks,
             "capacity_tokens": self.capacity_tokens, "index_blocks": self.index.size_blocks,
             "index_capacity_blocks": self.index.capacity_blocks,
             "signals": None if self.signals is None else {

@@ -145,6 +145,9 @@ OPTIONS: tuple[Option, ...] = (
            "prefix_aware: prompt tokens of prefill one running request is worth in a backend's cost"),
     Option("affinity_weight", "routing", "affinity_weight", _at_least(1.0, _float),
            "prefix_aware: how many queued prefill tokens one uncached prompt token is worth (higher = stickier)"),
+    Option("active_weight", "routing", "active_weight", _at_least(0.0, _float),
+           "prefix_aware: queued prefill tokens one distinct prompt token of the running requests is worth "
+           "(their KV memory; balances where long-lived conversations settle)"),
     Option("block_chars", "routing", "block_chars", _at_least(8, _int),
            "characters per hashed block of the prefix index (~16 tokens at 64)"),
     Option("chars_per_token", "routing", "chars_per_token", _at_least(0.5, _float),

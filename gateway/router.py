@@ -31,6 +31,7 @@ class RoutingConfig:
     chars_per_token: float = 4.0
     decode_weight_tokens: float = 16.0
     affinity_weight: float = 4.0
+    active_weight: float = 0.15
     metrics_max_age_s: float = 2.0
 
 
@@ -47,7 +48,8 @@ def make_policy(config: RoutingConfig) -> Policy:
     if name is PolicyName.CACHE_AWARE:
         return CacheAware(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold)
     return PrefixAware(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold,
-                       config.decode_weight_tokens, config.affinity_weight, config.metrics_max_age_s)
+                       config.decode_weight_tokens, config.affinity_weight, config.metrics_max_age_s,
+                       config.active_weight)
 
 
 class Placement:
@@ -60,7 +62,7 @@ class Placement:
         self.prefill_tokens = max(0, request.prompt_tokens - self.predicted_cached_tokens)
         self._prefilling = True
         self._finished = False
-        decision.backend.reserve(self.prefill_tokens)
+        decision.backend.reserve(self.prefill_tokens, request.hashes)
 
     @property
     def backend(self) -> Backend:
@@ -88,7 +90,7 @@ class Placement:
         if not self._finished:
             self._finished = True
             self.first_byte()
-            self.backend.release()
+            self.backend.release(self.request.hashes)
 
 
 class Router:

@@ -109,3 +109,38 @@ def test_reported_cached_tokens_far_below_prediction_correct_the_index() -> None
     assert placement.learn(reported_cached_tokens=256)  # the backend kept only the head
     assert backends[0].index.match(prompt.hashes) == 256 * 4 // 64
     backends[0].index.check_invariants()
+
+
+def test_running_requests_pin_their_distinct_prompt_blocks_once() -> None:
+    backend = make_backends(1)[0]
+    first, second = request(SYSTEM + text("user a", 800)), request(SYSTEM + text("user b", 800))
+    shared = len(request(SYSTEM).hashes)
+    one, two = (Placement(policy().choose([backend], r), r) for r in (first, second))
+    assert backend.active_blocks == len(first.hashes) + len(second.hashes) - shared
+    one.finish()
+    two.finish()
+    assert backend.active_blocks == 0 and backend.in_flight == 0
+
+
+def test_new_conversation_settles_where_the_least_conversation_memory_runs() -> None:
+    backends = make_backends(2)
+    short_system = text("short system prompt", 600)
+    backends[0].index.insert(request(short_system).hashes)
+    for i in range(8):  # long conversations running on backend 0, past their prefill
+        history = request(short_system + text(f"long history {i}", 6000))
+        Placement(policy().choose(backends[:1], history), history).first_byte()
+    decision = policy().choose(backends, request(short_system + text("new user", 400)))
+    assert decision.backend is backends[1]
+
+
+def test_engine_queue_we_sent_ourselves_is_not_counted_twice() -> None:
+    backends = make_backends(2)
+    history = SYSTEM + text("user: a long conversation", 6000)
+    backends[0].index.insert(request(history).hashes)
+    chooser = policy()
+    for i in range(4):  # our own queued follow-ups: mostly cached, a short question each to prefill
+        follow_up = request(history + text(f"question {i}", 200))
+        Placement(chooser.choose(backends[:1], follow_up), follow_up)
+    backends[0].signals = LoadSignals(queued_requests=4, running_requests=0, kv_usage=0.5,
+                                      read_at_s=time.monotonic())
+    assert chooser.choose(backends, request(history + text("next", 200))).backend is backends[0]

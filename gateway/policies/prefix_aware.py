@@ -1,8 +1,9 @@
-"""`prefix_aware` (the default): weigh the prefill a backend would save against the work queued on it.
+"""`prefix_aware` (the default): weigh the prefill a backend would save against the work it carries.
 
 Every healthy backend gets a cost in prompt tokens; the cheapest wins:
 
-    cost(b) = queued_prefill(b) + affinity_weight * uncached(b) + decode_weight_tokens * in_flight(b)
+    cost(b) = queued_prefill(b) + affinity_weight * uncached(b)
+              + active_weight * active_tokens(b) + decode_weight_tokens * in_flight(b)
 
 - `uncached(b)`: the request's prompt tokens minus those `b` is predicted to hold (its prefix index), i.e. the
   prefill this request would cause there. A conversation therefore follows its own history, not the system
@@ -11,13 +12,20 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   prefill time *and* evict other prefixes from its cache. So a prefix stays on its holder ("sticky") until the
   holder's queue exceeds about four times the prefill it saves, then it is replicated onto the next backend
   (route `spill`), which holds it from then on. A hot prefix spreads over as many backends as its traffic
-  needs; a short shared prefix (a system prompt before distinct questions) saves little, so requests behind
-  it spread as soon as queues differ — unlike sglang-router, which pins them all to the prefix's first owner.
+  needs.
 - `queued_prefill(b)`: uncached prompt tokens of requests sent to `b` that have not produced a first byte yet
-  (reserved at decision time, so a burst sees its own placements), or, when `b`'s own `/metrics` are fresher
-  than `signal_max_age_s` and show a longer queue (traffic from elsewhere), that queue times this request's
-  prompt length. For non-streamed requests the first byte is the whole answer, so this overestimates.
-- `decode_weight_tokens * in_flight(b)`: the decode steps and KV memory running requests take.
+  (reserved at decision time, so a burst sees its own placements). When `b`'s own `/metrics` are fresher than
+  `signal_max_age_s` and its queue is longer than what we sent (traffic from elsewhere), each extra request
+  counts as much as ours do on average. For non-streamed requests the first byte is the whole answer, so this
+  overestimates.
+- `active_tokens(b)`: distinct prompt tokens of the requests running on `b` (a prefix they share counts once),
+  the KV memory they pin, weighted by `active_weight` (default 0.15). It is what balances *where long-lived
+  work settles*: conversations behind a system prompt held by one backend would otherwise all stay there for
+  the few hundred tokens it saves, and their growing histories would overflow that backend's cache while
+  another sits idle -- sglang-router's failure on multi-turn chat. A request that shares its running
+  neighbours' prefix adds little, so a group of one-shot requests behind one long document still stays
+  together.
+- `decode_weight_tokens * in_flight(b)`: the per-request decode cost, which prompt length does not show.
 
 Equal costs (cold prompts on idle backends) go to the backend whose index is emptiest, then by rotation, so
 new prefixes spread instead of piling onto the first backend.
@@ -43,13 +51,14 @@ class PrefixAware:
 
     def __init__(self, cache_threshold: float, balance_abs_threshold: int, balance_rel_threshold: float,
                  decode_weight_tokens: float = 16.0, affinity_weight: float = 4.0,
-                 signal_max_age_s: float = 2.0) -> None:
+                 signal_max_age_s: float = 2.0, active_weight: float = 0.15) -> None:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.decode_weight_tokens = decode_weight_tokens
         self.affinity_weight = affinity_weight
         self.signal_max_age_s = signal_max_age_s
+        self.active_weight = active_weight
         self._turn = 0
 
     def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
@@ -66,14 +75,20 @@ class PrefixAware:
 
     def cost(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> float:
         uncached = max(0, request.prompt_tokens - request.tokens(matched_blocks * request.block_chars))
-        return (self.queued_prefill(backend, request) + self.affinity_weight * uncached
-                + self.decode_weight_tokens * backend.in_flight)
+        active_tokens = request.tokens(backend.active_blocks * request.block_chars)
+        return (self.queued_prefill(backend, uncached) + self.affinity_weight * uncached
+                + self.active_weight * active_tokens + self.decode_weight_tokens * backend.in_flight)
 
-    def queued_prefill(self, backend: Backend, request: RoutingRequest) -> float:
+    def queued_prefill(self, backend: Backend, uncached: int) -> float:
+        """Our own reserved prefill, plus the engine's queue beyond what we sent (traffic from elsewhere), each
+        such request assumed to cost what ours cost on average there (or this one, when none of ours waits)."""
         queued = float(backend.pending_prefill_tokens)
         signals = backend.signals
         if signals is not None and time.monotonic() - signals.read_at_s <= self.signal_max_age_s:
-            queued = max(queued, signals.queued_requests * request.prompt_tokens)
+            unknown = signals.queued_requests - backend.prefilling
+            if unknown > 0:
+                each = queued / backend.prefilling if backend.prefilling else uncached
+                queued += unknown * each
         return queued
 
     def _cheapest(self, backends: Sequence[Backend], matches: dict[int, int], request: RoutingRequest) -> Backend:
