@@ -1,4 +1,4 @@
-"""`python -m loadtest`: run scenarios side by side, list them, or measure the gateway's own overhead."""
+"""`python -m loadtest`: run scenarios side by side, list them, compare runs, or measure the gateway's own overhead."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from loadtest.compare import compare
 from loadtest.overhead import OVERHEAD_COLUMNS, OverheadConfig, overhead_rows, run_overhead
 from loadtest.report import markdown_table, print_report, text_table, write_outputs
 from loadtest.runner import PEERS, Traffic, run_policies, run_target
@@ -36,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     overhead = commands.add_parser("overhead", help="the gateway's own latency and throughput cost",
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_overhead_arguments(overhead)
+    table = commands.add_parser("compare", help="one markdown table over the --out directories of several runs",
+                                description="One markdown table over several runs, with prefix_aware's p99 TTFT "
+                                "and goodput as ratios to cache_aware's and round_robin's from the same run.")
+    table.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="the --out directory of a `run`")
     return parser
 
 
@@ -192,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return command_list()
     if args.command == "overhead":
         return command_overhead(args, argv)
+    if args.command == "compare":
+        print(compare(args.dirs))
+        return 0
     return command_run(args, argv)
 
 
