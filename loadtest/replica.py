@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import json
 import logging
 import signal
 import struct
@@ -43,16 +42,14 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loadtest.engine import Engine, EngineConfig, Generation, RequestTooLarge, embedding_vector
 from loadtest.faults import DroppingEventStream, Faults, FaultSettings
+from loadtest.replica_requests import (ApiError, Prompt, ReplicaIdHeader, body_field, check_n, json_body, max_tokens,
+                                        read_prompts, sse, usage_of)
 from loadtest.tokenizer import render_chat, tokenize
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_TOKENS = 16
-
 
 @dataclass(frozen=True)
 class ReplicaConfig:
@@ -68,104 +65,6 @@ class ReplicaConfig:
     @property
     def replica_id(self) -> str:
         return f"{self.host}:{self.port}"
-
-
-class ApiError(Exception):
-    """Answered as OpenAI's error body with `status`; raised anywhere a handler refuses a request."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 error_type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.error_type = status, message, param, error_type
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status)
-
-
-@dataclass(frozen=True)
-class _Prompt:
-    tokens: list[int]
-    text: str | None    # None when the client sent token ids
-
-
-def _field(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    # bool is an int subclass; a `true` where a count belongs is a client bug worth a 400.
-    if not isinstance(value, kinds) or (isinstance(value, bool) and kinds is int):
-        raise ApiError(400, f"'{name}' has the wrong type: {type(value).__name__}", name)
-    return value
-
-
-def _max_tokens(body: dict[str, Any], *names: str) -> int:
-    for name in names:
-        value = _field(body, name, int)
-        if value is not None:
-            if value < 1:
-                raise ApiError(400, f"'{name}' must be at least 1, got {value}", name)
-            return int(value)
-    return DEFAULT_MAX_TOKENS
-
-
-def _check_n(body: dict[str, Any]) -> None:
-    if _field(body, "n", int, 1) != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
-
-
-def _prompts(value: Any, name: str) -> list[_Prompt]:
-    """A string, a list of strings, a list of token ids or a list of token-id lists, as prompts."""
-    if isinstance(value, str):
-        return [_Prompt(tokenize(value), value)]
-    if isinstance(value, list) and value:
-        if all(isinstance(item, str) for item in value):
-            return [_Prompt(tokenize(item), item) for item in value]
-        if all(isinstance(item, int) and not isinstance(item, bool) for item in value):
-            return [_Prompt(list(value), None)]
-        if all(isinstance(item, list) and all(isinstance(t, int) for t in item) for item in value):
-            return [_Prompt(list(item), None) for item in value]
-    raise ApiError(400, f"'{name}' must be a string, a list of strings or a list of token ids", name)
-
-
-async def _json_body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"The request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object")
-    return body
-
-
-def _sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def _usage(gen: Generation) -> dict[str, Any]:
-    prompt, completion = len(gen.prompt_tokens), len(gen.output)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
-
-
-class _ReplicaIdHeader:
-    """ASGI middleware adding `x-replica-id`; plain ASGI so streamed bodies pass through untouched."""
-
-    def __init__(self, app: ASGIApp, replica_id: str) -> None:
-        self.app = app
-        self.header = (b"x-replica-id", replica_id.encode())
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
 
 
 class _EngineCollector(Collector):
@@ -204,45 +103,45 @@ class _Replica:
     # --- inference ---------------------------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ApiError(400, "'messages' must be a non-empty array of message objects", "messages")
         try:
-            text = render_chat(messages, _field(body, "tools", list))
+            text = render_chat(messages, body_field(body, "tools", list))
         except TypeError as exc:
             raise ApiError(400, str(exc), "messages") from exc
-        _check_n(body)
+        check_n(body)
         # sglang-router renames max_tokens to max_completion_tokens; OpenAI's SDK sends either.
-        max_new = _max_tokens(body, "max_completion_tokens", "max_tokens")
-        stream = _field(body, "stream", bool, False)
-        include_usage = bool(_field(body, "stream_options", dict, {}).get("include_usage"))
-        [gen] = await self._generate([_Prompt(tokenize(text), text)], max_new)
+        max_new = max_tokens(body, "max_completion_tokens", "max_tokens")
+        stream = body_field(body, "stream", bool, False)
+        include_usage = bool(body_field(body, "stream_options", dict, {}).get("include_usage"))
+        [gen] = await self._generate([Prompt(tokenize(text), text)], max_new)
         rid = "chatcmpl-" + uuid.uuid4().hex
         if stream:
             return DroppingEventStream(self._openai_events(gen, rid, include_usage, chat=True),
                                        self.faults.settings.drop_after_chunks)
         await self._collect(gen)
         message = {"role": "assistant", "content": "".join(gen.output)}
-        return JSONResponse({**self._head(rid, "chat.completion"), "usage": _usage(gen), "choices": [
+        return JSONResponse({**self._head(rid, "chat.completion"), "usage": usage_of(gen), "choices": [
             {"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}]})
 
     async def completions(self, request: Request) -> Response:
-        body = await _json_body(request)
-        prompts = _prompts(body.get("prompt"), "prompt")
-        _check_n(body)
-        stream = _field(body, "stream", bool, False)
+        body = await json_body(request)
+        prompts = read_prompts(body.get("prompt"), "prompt")
+        check_n(body)
+        stream = body_field(body, "stream", bool, False)
         if stream and len(prompts) > 1:
             raise ApiError(400, "streaming supports a single prompt", "prompt")
-        include_usage = bool(_field(body, "stream_options", dict, {}).get("include_usage"))
-        gens = await self._generate(prompts, _max_tokens(body, "max_tokens"))
+        include_usage = bool(body_field(body, "stream_options", dict, {}).get("include_usage"))
+        gens = await self._generate(prompts, max_tokens(body, "max_tokens"))
         rid = "cmpl-" + uuid.uuid4().hex
         if stream:
             return DroppingEventStream(self._openai_events(gens[0], rid, include_usage, chat=False),
                                    self.faults.settings.drop_after_chunks)
         for gen in gens:
             await self._collect(gen)
-        usage = {key: sum(_usage(gen)[key] for gen in gens) for key in ("prompt_tokens", "completion_tokens")}
+        usage = {key: sum(usage_of(gen)[key] for gen in gens) for key in ("prompt_tokens", "completion_tokens")}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         usage["prompt_tokens_details"] = {"cached_tokens": sum(gen.cached_tokens for gen in gens)}
         choices = [{"index": i, "text": "".join(gen.output), "logprobs": None, "finish_reason": "length"}
@@ -250,18 +149,18 @@ class _Replica:
         return JSONResponse({**self._head(rid, "text_completion"), "choices": choices, "usage": usage})
 
     async def generate(self, request: Request) -> Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         name = "input_ids" if body.get("input_ids") is not None else "text"
-        prompts = _prompts(body.get(name), name)
+        prompts = read_prompts(body.get(name), name)
         batched = isinstance(body[name], list) and isinstance(body[name][0], (str, list))
-        sampling = _field(body, "sampling_params", dict, {})
-        max_new = _max_tokens(sampling, "max_new_tokens")
-        stream = _field(body, "stream", bool, False)
+        sampling = body_field(body, "sampling_params", dict, {})
+        max_new = max_tokens(sampling, "max_new_tokens")
+        stream = body_field(body, "stream", bool, False)
         if stream and batched:
             raise ApiError(400, "streaming supports a single prompt", "text")
         started = time.monotonic()
         gens = await self._generate(prompts, max_new)
-        rid = _field(body, "rid", str) or uuid.uuid4().hex
+        rid = body_field(body, "rid", str) or uuid.uuid4().hex
         if stream:
             return DroppingEventStream(self._generate_events(gens[0], rid, started),
                                        self.faults.settings.drop_after_chunks)
@@ -271,14 +170,14 @@ class _Replica:
         return JSONResponse(results if batched else results[0])
 
     async def embeddings(self, request: Request) -> Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         if not self.config.embedding:
             raise ApiError(400, f"{self.config.model} is a generation model and does not serve embeddings", "model")
-        prompts = _prompts(body.get("input"), "input")
-        encoding = _field(body, "encoding_format", str, "float")
+        prompts = read_prompts(body.get("input"), "input")
+        encoding = body_field(body, "encoding_format", str, "float")
         if encoding not in ("float", "base64"):
             raise ApiError(400, f"encoding_format must be 'float' or 'base64', got {encoding!r}", "encoding_format")
-        dim = _field(body, "dimensions", int, self.config.embedding_dim)
+        dim = body_field(body, "dimensions", int, self.config.embedding_dim)
         gens = await self._admit(prompts, 0)  # prefill only: an embedding costs one forward pass
         data = []
         for index, gen in enumerate(gens):
@@ -293,12 +192,12 @@ class _Replica:
         return JSONResponse({"object": "list", "data": data, "model": self.config.model,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    async def _generate(self, prompts: list[_Prompt], max_new: int) -> list[Generation]:
+    async def _generate(self, prompts: list[Prompt], max_new: int) -> list[Generation]:
         if self.config.embedding:
             raise ApiError(400, f"{self.config.model} is an embedding model and does not generate text", "model")
         return await self._admit(prompts, max_new)
 
-    async def _admit(self, prompts: list[_Prompt], max_new: int) -> list[Generation]:
+    async def _admit(self, prompts: list[Prompt], max_new: int) -> list[Generation]:
         """Apply the injected faults, then queue every prompt; all or none are queued."""
         if self.faults.should_fail():
             raise ApiError(500, "Injected fault: internal server error", error_type="internal_server_error")
@@ -342,14 +241,14 @@ class _Replica:
                 choice: dict[str, Any] = {"index": 0, "delta": delta}
             else:
                 choice = {"index": 0, "text": piece or ""}
-            return _sse({**head, "choices": [{**choice, "logprobs": None, "finish_reason": finish}]})
+            return sse({**head, "choices": [{**choice, "logprobs": None, "finish_reason": finish}]})
 
         try:
             async for piece in gen.pieces():
                 yield chunk(piece, None)
             yield chunk(None, "length")
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(gen)})
+                yield sse({**head, "choices": [], "usage": usage_of(gen)})
             yield "data: [DONE]\n\n"
         finally:
             self.engine.abort(gen)
@@ -358,7 +257,7 @@ class _Replica:
         try:
             async for _ in gen.pieces():
                 # SGLang's native stream repeats the whole text so far in every chunk.
-                yield _sse({"text": "".join(gen.output), "meta_info": self._meta(gen, rid, started)})
+                yield sse({"text": "".join(gen.output), "meta_info": self._meta(gen, rid, started)})
             yield "data: [DONE]\n\n"
         finally:
             self.engine.abort(gen)
@@ -404,7 +303,7 @@ class _Replica:
     async def control_faults(self, request: Request) -> Response:
         if request.method == "POST":
             try:
-                settings = FaultSettings.from_json(await _json_body(request), self.faults.settings)
+                settings = FaultSettings.from_json(await json_body(request), self.faults.settings)
             except ValueError as exc:
                 raise ApiError(400, str(exc)) from exc
             self.faults.apply(settings)
@@ -454,7 +353,7 @@ def create_replica_app(config: ReplicaConfig) -> Starlette:
         await replica.engine.stop()
 
     return Starlette(routes=replica.routes(), lifespan=lifespan,
-                     middleware=[Middleware(_ReplicaIdHeader, replica_id=config.replica_id)],
+                     middleware=[Middleware(ReplicaIdHeader, replica_id=config.replica_id)],
                      exception_handlers={ApiError: _api_error, HTTPException: _http_error})
 
 
