@@ -79,7 +79,7 @@ class Gateway:
 
     # -- the request path -------------------------------------------------------------------------------
 
-    async def relay(self, request: Request) -> Response:
+    async def relay(self, request: Request) -> Response | RelayResponse:
         exchange = await self.parse(request, GENERATION_PATHS[request.url.path])
         exchange = self.rewrite(exchange, opted_out=not enabled_for(request.headers))
         routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body))
@@ -250,6 +250,6 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/metrics", gateway.prometheus, methods=["GET"]),
     ]
     handlers = {GatewayError: gateway_error, HTTPException: http_error, Exception: internal_error}
-    app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
+    app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers=handlers)
     app.state.gateway = gateway
     return app

@@ -91,7 +91,7 @@ def _choice(enum: type[Enum]) -> Callable[[str, Any], Any]:
         try:
             return enum(value)
         except ValueError:
-            allowed = ", ".join(str(member.value) for member in enum)  # type: ignore[attr-defined]
+            allowed = ", ".join(str(member.value) for member in enum)
             raise ConfigError(f"{key} must be one of {allowed}, got {value!r}") from None
     return parse
 

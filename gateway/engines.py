@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -132,5 +132,5 @@ def read_load(families: list[Any]) -> tuple[float, float, float] | None:
     return found[0] or 0.0, found[1] or 0.0, found[2] or 0.0
 
 
-def _positive_int(value: Any) -> bool:
+def _positive_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -82,7 +82,7 @@ def render_prompt(prompt: Any) -> str:
     return ""
 
 
-_REQUIRED = {
+_REQUIRED: dict[Endpoint, tuple[str, type | tuple[type, ...]]] = {
     Endpoint.CHAT: ("messages", list),
     Endpoint.COMPLETION: ("prompt", (str, list)),
     Endpoint.EMBEDDING: ("input", (str, list)),
