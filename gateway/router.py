@@ -29,7 +29,7 @@ class RoutingConfig:
     balance_rel_threshold: float = 1.5
     block_chars: int = 64
     chars_per_token: float = 4.0
-    decode_weight_tokens: float = 16.0
+    decode_weight_tokens: float = 4.0
     affinity_weight: float = 4.0
     active_weight: float = 0.15
     metrics_max_age_s: float = 2.0

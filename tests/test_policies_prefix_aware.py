@@ -13,7 +13,7 @@ SYSTEM = text("shared system prompt", 4000)
 
 def policy(**overrides: float) -> PrefixAware:
     settings = {"cache_threshold": 0.3, "balance_abs_threshold": 64, "balance_rel_threshold": 1.5,
-                "decode_weight_tokens": 16.0, "affinity_weight": 4.0}
+                "decode_weight_tokens": 4.0, "affinity_weight": 4.0}
     settings.update(overrides)
     return PrefixAware(**settings)  # type: ignore[arg-type]
 

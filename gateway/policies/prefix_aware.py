@@ -25,7 +25,11 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   another sits idle -- sglang-router's failure on multi-turn chat. A request that shares its running
   neighbours' prefix adds little, so a group of one-shot requests behind one long document still stays
   together.
-- `decode_weight_tokens * in_flight(b)`: the per-request decode cost, which prompt length does not show.
+- `decode_weight_tokens * in_flight(b)` (default 4): what a running request costs a new one's first token. The
+  engine runs prefill before decode (SGLang's default), so a newcomer waits for at most the current decode step,
+  to which each running request adds little: about a few prompt tokens' worth of prefill. A queued prefill, by
+  contrast, delays it by all its tokens. (At 16, `unique` showed p99 TTFT 1.13x round robin's in one run; at 4,
+  1.01x, against run-to-run noise of about 10%; the other scenarios did not move.)
 
 Equal costs (cold prompts on idle backends) go to the backend whose index is emptiest, then by rotation, so
 new prefixes spread instead of piling onto the first backend.
@@ -50,7 +54,7 @@ class PrefixAware:
     name = "prefix_aware"
 
     def __init__(self, cache_threshold: float, balance_abs_threshold: int, balance_rel_threshold: float,
-                 decode_weight_tokens: float = 16.0, affinity_weight: float = 4.0,
+                 decode_weight_tokens: float = 4.0, affinity_weight: float = 4.0,
                  signal_max_age_s: float = 2.0, active_weight: float = 0.15) -> None:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
