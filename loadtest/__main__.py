@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -188,6 +189,12 @@ def command_overhead(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def exit_on_sigterm(signum: int, frame: object) -> None:
+    # SIGTERM (a `timeout`, a CI job cancelled) would otherwise end the process without unwinding, leaving the
+    # replicas and gateways it started running; SystemExit runs the fleet's cleanup.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -198,10 +205,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "overhead":
         return command_overhead(args, argv)
     if args.command == "compare":
-        print(compare(args.dirs))
+        try:
+            print(compare(args.dirs))
+        except (OSError, ValueError, KeyError) as exc:  # a directory without a (valid) results.json
+            print(f"python -m loadtest compare: {exc}", file=sys.stderr)
+            return 2
         return 0
     return command_run(args, argv)
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     sys.exit(main())

@@ -38,3 +38,8 @@ def test_missing_baseline_or_oracle_shows_a_dash(tmp_path: Path, capsys) -> None
     assert main(["compare", str(run)]) == 0
     subject = capsys.readouterr().out.splitlines()[-1]
     assert subject.count("- / -") == 2 and "| - |" in subject
+
+
+def test_a_directory_without_results_is_an_error_not_a_traceback(tmp_path: Path, capsys) -> None:
+    assert main(["compare", str(tmp_path / "missing")]) == 2
+    assert "results.json" in capsys.readouterr().err

@@ -6,6 +6,10 @@ No timing assertions: only that every request is answered, the accounting adds u
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -93,3 +97,36 @@ def test_mixed_models_route_embeddings_to_the_embedding_pool() -> None:
     assert len(embeddings) == 4 and all(r.prompt_tokens > 0 for r in embeddings)
     assert len({r.replica for r in embeddings}) == 1
     assert not {r.replica for r in embeddings} & set(outcome.summary.requests_per_replica)
+
+
+def _children(pid: int) -> set[int]:
+    """Processes whose parent is `pid`, from /proc."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+def test_sigterm_stops_the_fleet_a_run_started() -> None:
+    argv = [sys.executable, "-m", "loadtest", "run", "unique", "--num-prompts", "2000", "--policies", "round_robin",
+            "--time-scale", "1", "--request-rate", "2"]
+    runner = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_children(runner.pid)) < 2 and time.monotonic() < deadline:  # replicas and gateway up
+            time.sleep(0.2)
+        children = _children(runner.pid)
+        assert len(children) >= 2
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=30) == 128 + signal.SIGTERM
+        assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]  # stopped and reaped
+    finally:
+        runner.kill()
+        runner.wait()
