@@ -53,9 +53,6 @@ class Backend:
     in_flight: int = 0
     prefilling: int = 0  # requests sent that have not produced a first byte yet
     pending_prefill_tokens: int = 0  # their reserved uncached prompt tokens
-    # Distinct prompt blocks of the requests in flight: the KV memory they pin on the engine. A prefix shared by
-    # many running requests counts once, as it does in the engine's pool.
-    active_blocks: int = 0
     signals: LoadSignals | None = None
     _active_refs: collections.Counter[int] = field(default_factory=collections.Counter, repr=False)
 
@@ -63,14 +60,17 @@ class Backend:
     def url(self) -> str:
         return self.spec.url
 
+    @property
+    def active_blocks(self) -> int:
+        """Distinct prompt blocks of the requests in flight: the KV memory they pin on the engine. A prefix shared
+        by many running requests counts once, as it does in the engine's pool."""
+        return len(self._active_refs)
+
     def reserve(self, prefill_tokens: int, hashes: Sequence[int]) -> None:
         self.in_flight += 1
         self.prefilling += 1
         self.pending_prefill_tokens += prefill_tokens
-        refs = self._active_refs
-        for block in hashes:
-            refs[block] += 1
-            self.active_blocks += refs[block] == 1
+        self._active_refs.update(hashes)
 
     def prefill_done(self, prefill_tokens: int) -> None:
         self.prefilling = max(0, self.prefilling - 1)
@@ -78,13 +78,10 @@ class Backend:
 
     def release(self, hashes: Sequence[int]) -> None:
         self.in_flight = max(0, self.in_flight - 1)
-        refs = self._active_refs
+        self._active_refs.subtract(hashes)
         for block in hashes:
-            if refs[block] <= 1:
-                self.active_blocks -= block in refs
-                refs.pop(block, None)
-            else:
-                refs[block] -= 1
+            if self._active_refs[block] <= 0:
+                self._active_refs.pop(block, None)
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:
