@@ -24,7 +24,9 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   the few hundred tokens it saves, and their growing histories would overflow that backend's cache while
   another sits idle -- sglang-router's failure on multi-turn chat. A request that shares its running
   neighbours' prefix adds little, so a group of one-shot requests behind one long document still stays
-  together.
+  together. Known limit: at light load few requests run at once, so this term is too weak to move first turns
+  off the system prompt's holder, and multiturn collapses onto two replicas (README, "Measured"). Placement
+  should also count the conversations a backend holds between turns.
 - `decode_weight_tokens * in_flight(b)` (default 4): what a running request costs a new one's first token. The
   engine runs prefill before decode (SGLang's default), so a newcomer waits for at most the current decode step,
   to which each running request adds little: about a few prompt tokens' worth of prefill. A queued prefill, by
