@@ -58,8 +58,8 @@ class Placement:
     def __init__(self, decision: Decision, request: RoutingRequest) -> None:
         self.decision = decision
         self.request = request
-        self.predicted_cached_tokens = request.tokens(decision.matched_blocks * request.block_chars)
-        self.prefill_tokens = max(0, request.prompt_tokens - self.predicted_cached_tokens)
+        self.predicted_cached_tokens = request.block_tokens(decision.matched_blocks)
+        self.prefill_tokens = request.uncached_tokens(decision.matched_blocks)
         self._prefilling = True
         self._finished = False
         decision.backend.reserve(self.prefill_tokens, request.hashes)

@@ -99,8 +99,9 @@ def report_markdown(scenario: Scenario, outcomes: Sequence[RunOutcome], command:
         markdown_table(COLUMNS, table_rows(outcomes)), "",
         "Times are simulated seconds (wall-clock divided by the replicas' time-scale). Goodput counts requests "
         "meeting both SLOs. Hit rate = cached / prompt tokens as the replicas reported them; oracle = the same "
-        "requests, as the client sent them (before any gateway rewrite, so a gateway that moves IDs off the prefix can beat it), through one cache of the fleet's total capacity; max/mean = requests on the busiest replica "
-        "over the mean.", "",
+        "requests, as the client sent them (before any gateway rewrite, so a gateway that moves IDs off the "
+        "prefix can beat it), through one cache of the fleet's total capacity; max/mean = requests on the "
+        "busiest replica over the mean.", "",
         f"Workload: `{json.dumps(dataclasses.asdict(w), default=str)}`", "",
     ]
     parts += [f"![{plot.stem}]({plot.name})" for plot in plots]

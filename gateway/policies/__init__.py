@@ -43,6 +43,14 @@ class RoutingRequest:
     def tokens(self, chars: int) -> int:
         return int(chars / self.chars_per_token)
 
+    def block_tokens(self, blocks: int) -> int:
+        """Tokens in the first `blocks` hashed blocks."""
+        return self.tokens(blocks * self.block_chars)
+
+    def uncached_tokens(self, matched_blocks: int) -> int:
+        """Prompt tokens left to prefill when the first `matched_blocks` are cached."""
+        return max(0, self.prompt_tokens - self.block_tokens(matched_blocks))
+
     @property
     def prompt_tokens(self) -> int:
         return self.tokens(self.text_chars)

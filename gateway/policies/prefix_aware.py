@@ -80,10 +80,10 @@ class PrefixAware:
         return Decision(chosen, route, matched)
 
     def cost(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> float:
-        uncached = max(0, request.prompt_tokens - request.tokens(matched_blocks * request.block_chars))
-        active_tokens = request.tokens(backend.active_blocks * request.block_chars)
+        uncached = request.uncached_tokens(matched_blocks)
         return (self.queued_prefill(backend, uncached) + self.affinity_weight * uncached
-                + self.active_weight * active_tokens + self.decode_weight_tokens * backend.in_flight)
+                + self.active_weight * request.block_tokens(backend.active_blocks)
+                + self.decode_weight_tokens * backend.in_flight)
 
     def queued_prefill(self, backend: Backend, uncached: int) -> float:
         """Our own reserved prefill, plus the engine's queue beyond what we sent (traffic from elsewhere), each
