@@ -148,6 +148,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("active_weight", "routing", "active_weight", _at_least(0.0, _float),
            "prefix_aware: queued prefill tokens one distinct prompt token of the running requests is worth "
            "(their KV memory; balances where long-lived conversations settle)"),
+    Option("held_weight", "routing", "held_weight", _at_least(0.0, _float),
+           "prefix_aware: queued prefill tokens one token of a backend's prefix index is worth to a request that "
+           "starts a new branch there (a new conversation settles where the least is held)"),
     Option("block_chars", "routing", "block_chars", _at_least(8, _int),
            "characters per hashed block of the prefix index (~16 tokens at 64)"),
     Option("chars_per_token", "routing", "chars_per_token", _at_least(0.5, _float),

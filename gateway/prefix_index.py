@@ -67,6 +67,11 @@ class PrefixIndex:
             matched += 1
         return matched
 
+    def is_leaf(self, key: int) -> bool:
+        """Whether block `key` is cached and no cached prompt continues past it."""
+        node = self._nodes.get(key)
+        return node is not None and not node.children
+
     def created_at(self, key: int) -> int:
         """Clock value at which the block `key` was first inserted (0 when absent)."""
         node = self._nodes.get(key)

@@ -32,6 +32,7 @@ class RoutingConfig:
     decode_weight_tokens: float = 4.0
     affinity_weight: float = 4.0
     active_weight: float = 0.15
+    held_weight: float = 0.15
     metrics_max_age_s: float = 2.0
 
 
@@ -49,7 +50,7 @@ def make_policy(config: RoutingConfig) -> Policy:
         return CacheAware(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold)
     return PrefixAware(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold,
                        config.decode_weight_tokens, config.affinity_weight, config.metrics_max_age_s,
-                       config.active_weight)
+                       config.active_weight, config.held_weight)
 
 
 class Placement:

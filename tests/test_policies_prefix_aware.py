@@ -133,6 +133,28 @@ def test_new_conversation_settles_where_the_least_conversation_memory_runs() -> 
     assert decision.backend is backends[1]
 
 
+def test_new_conversation_settles_where_the_least_history_is_held_between_turns() -> None:
+    backends = make_backends(2)
+    short_system = text("short system prompt", 600)
+    backends[0].index.insert(request(short_system).hashes)
+    for i in range(8):  # idle conversations between turns: nothing runs, but their histories fill backend 0
+        backends[0].index.insert(request(short_system + text(f"long history {i}", 6000)).hashes)
+    decision = policy().choose(backends, request(short_system + text("new user", 400)))
+    assert decision.backend is backends[1]
+
+
+def test_a_conversation_stays_with_its_history_however_much_its_backend_holds() -> None:
+    backends = make_backends(2)
+    short_system = text("short system prompt", 600)
+    backends[1].index.insert(request(short_system).hashes)
+    for i in range(8):
+        backends[0].index.insert(request(short_system + text(f"long history {i}", 6000)).hashes)
+    mine = short_system + text("my short history", 800)
+    backends[0].index.insert(request(mine).hashes)
+    decision = policy().choose(backends, request(mine + text("my next question", 400)))
+    assert decision.backend is backends[0] and decision.route is Route.PREFIX
+
+
 def test_engine_queue_we_sent_ourselves_is_not_counted_twice() -> None:
     backends = make_backends(2)
     history = SYSTEM + text("user: a long conversation", 6000)

@@ -19,6 +19,14 @@ def test_chained_hash_depends_on_everything_before_the_block() -> None:
     assert block_hashes("x" * 63) == []
 
 
+def test_a_leaf_is_a_cached_block_no_cached_prompt_continues() -> None:
+    index = PrefixIndex(capacity_blocks=10)
+    index.insert([1, 2, 3])
+    assert index.is_leaf(3) and not index.is_leaf(2) and not index.is_leaf(99)
+    index.insert([1, 2, 3, 4])
+    assert not index.is_leaf(3) and index.is_leaf(4)
+
+
 def test_evicts_least_recently_used_leaves_first_keeping_shared_heads() -> None:
     index = PrefixIndex(capacity_blocks=6)
     system = [1, 2]

@@ -4,6 +4,7 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
 
     cost(b) = queued_prefill(b) + affinity_weight * uncached(b)
               + active_weight * active_tokens(b) + decode_weight_tokens * in_flight(b)
+              + held_weight * held_tokens(b)        [only when the request starts a new branch on b]
 
 - `uncached(b)`: the request's prompt tokens minus those `b` is predicted to hold (its prefix index), i.e. the
   prefill this request would cause there. A conversation therefore follows its own history, not the system
@@ -24,9 +25,18 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   the few hundred tokens it saves, and their growing histories would overflow that backend's cache while
   another sits idle -- sglang-router's failure on multi-turn chat. A request that shares its running
   neighbours' prefix adds little, so a group of one-shot requests behind one long document still stays
-  together. Known limit: at light load few requests run at once, so this term is too weak to move first turns
-  off the system prompt's holder, and multiturn collapses onto two replicas (README, "Measured"). Placement
-  should also count the conversations a backend holds between turns.
+  together. At light load few requests run at once, so this term alone is too weak: see `held_tokens`.
+- `held_tokens(b)`: the tokens `b`'s prefix index holds, weighted by `held_weight` (default 0.15), counted only
+  when the request would start a new branch in `b`'s cache: a cold prompt, or a new conversation or question
+  off a prefix others share there (its match ends where another cached prompt continues). This is where
+  conversations settle *between* turns, which the active-token term cannot see: without it, at light load
+  first turns stayed with the system prompt's first holders and two replicas took every conversation
+  (multiturn: 56% hits, max/mean 1.67). A request that continues a prompt `b` holds (its match ends at a leaf:
+  a conversation's next turn) is not charged, so a conversation never leaves its history because its backend
+  is full of others. The index is LRU-bounded like the engine's cache, so once every backend is full the term
+  is equal everywhere and the other terms decide; a question behind a long shared document leaves the
+  document's holder only when it holds about `affinity_weight / held_weight` (27) times the document's length
+  more than another backend.
 - `decode_weight_tokens * in_flight(b)` (default 4): what a running request costs a new one's first token. The
   engine runs prefill before decode (SGLang's default), so a newcomer waits for at most the current decode step,
   to which each running request adds little: about a few prompt tokens' worth of prefill. A queued prefill, by
@@ -57,7 +67,7 @@ class PrefixAware:
 
     def __init__(self, cache_threshold: float, balance_abs_threshold: int, balance_rel_threshold: float,
                  decode_weight_tokens: float = 4.0, affinity_weight: float = 4.0,
-                 signal_max_age_s: float = 2.0, active_weight: float = 0.15) -> None:
+                 signal_max_age_s: float = 2.0, active_weight: float = 0.15, held_weight: float = 0.15) -> None:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
@@ -65,6 +75,7 @@ class PrefixAware:
         self.affinity_weight = affinity_weight
         self.signal_max_age_s = signal_max_age_s
         self.active_weight = active_weight
+        self.held_weight = held_weight
         self._turn = 0
 
     def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
@@ -81,9 +92,12 @@ class PrefixAware:
 
     def cost(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> float:
         uncached = request.uncached_tokens(matched_blocks)
-        return (self.queued_prefill(backend, uncached) + self.affinity_weight * uncached
+        cost = (self.queued_prefill(backend, uncached) + self.affinity_weight * uncached
                 + self.active_weight * request.block_tokens(backend.active_blocks)
                 + self.decode_weight_tokens * backend.in_flight)
+        if _starts_branch(backend, matched_blocks, request):
+            cost += self.held_weight * request.block_tokens(backend.index.size_blocks)
+        return cost
 
     def queued_prefill(self, backend: Backend, uncached: int) -> float:
         """Our own reserved prefill, plus the engine's queue beyond what we sent (traffic from elsewhere), each
@@ -108,3 +122,11 @@ class PrefixAware:
         low = min(backend.in_flight for backend in backends)
         return [b for b in backends
                 if not (b.in_flight - low > self.balance_abs_threshold and b.in_flight > low * self.balance_rel_threshold)]
+
+
+def _starts_branch(backend: Backend, matched_blocks: int, request: RoutingRequest) -> bool:
+    """Whether the request would start a new line of content in `backend`'s cache (a cold prompt, or a new
+    conversation or question off a prefix others share) rather than continue a prompt it holds."""
+    if matched_blocks == len(request.hashes):
+        return False
+    return matched_blocks == 0 or not backend.index.is_leaf(request.hashes[matched_blocks - 1])
