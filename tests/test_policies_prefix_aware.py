@@ -2,7 +2,7 @@
 
 import time
 
-from gateway.backends import LoadSignals
+from gateway.backends import Backend, LoadSignals
 from gateway.policies import Route
 from gateway.policies.prefix_aware import PrefixAware
 from gateway.router import Placement
@@ -133,12 +133,16 @@ def test_new_conversation_settles_where_the_least_conversation_memory_runs() -> 
     assert decision.backend is backends[1]
 
 
+def hold_idle_conversations(backend: Backend, system: str) -> None:
+    """Eight long conversations between turns: their histories fill `backend`'s cache, nothing runs."""
+    for i in range(8):
+        backend.index.insert(request(system + text(f"long history {i}", 6000)).hashes)
+
+
 def test_new_conversation_settles_where_the_least_history_is_held_between_turns() -> None:
     backends = make_backends(2)
     short_system = text("short system prompt", 600)
-    backends[0].index.insert(request(short_system).hashes)
-    for i in range(8):  # idle conversations between turns: nothing runs, but their histories fill backend 0
-        backends[0].index.insert(request(short_system + text(f"long history {i}", 6000)).hashes)
+    hold_idle_conversations(backends[0], short_system)
     decision = policy().choose(backends, request(short_system + text("new user", 400)))
     assert decision.backend is backends[1]
 
@@ -147,8 +151,7 @@ def test_a_conversation_stays_with_its_history_however_much_its_backend_holds() 
     backends = make_backends(2)
     short_system = text("short system prompt", 600)
     backends[1].index.insert(request(short_system).hashes)
-    for i in range(8):
-        backends[0].index.insert(request(short_system + text(f"long history {i}", 6000)).hashes)
+    hold_idle_conversations(backends[0], short_system)
     mine = short_system + text("my short history", 800)
     backends[0].index.insert(request(mine).hashes)
     decision = policy().choose(backends, request(mine + text("my next question", 400)))
