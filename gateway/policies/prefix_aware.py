@@ -36,15 +36,16 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   is full of others. The index is LRU-bounded like the engine's cache, so once every backend is full the term
   is equal everywhere and the other terms decide; a question behind a long shared document leaves the
   document's holder only when it holds about `affinity_weight / held_weight` (27) times the document's length
-  more than another backend.
+  more than another backend. It counts tokens, not the share of the cache: in a fleet of unequal caches the
+  larger ones get fewer new conversations than their size would allow.
 - `decode_weight_tokens * in_flight(b)` (default 4): what a running request costs a new one's first token. The
   engine runs prefill before decode (SGLang's default), so a newcomer waits for at most the current decode step,
   to which each running request adds little: about a few prompt tokens' worth of prefill. A queued prefill, by
   contrast, delays it by all its tokens. (At 16, `unique` showed p99 TTFT 1.13x round robin's in one run; at 4,
   1.01x, against run-to-run noise of about 10%; the other scenarios did not move.)
 
-Equal costs (cold prompts on idle backends) go to the backend whose index is emptiest, then by rotation, so
-new prefixes spread instead of piling onto the first backend.
+Equal costs go to the backend whose index is emptiest, then by rotation, so new prefixes spread instead of
+piling onto the first backend.
 
 Guard rail, with sglang-router's knobs: a backend more than `balance_abs_threshold` requests and
 `balance_rel_threshold` times above the least loaded one is not chosen while another is available. Unlike
