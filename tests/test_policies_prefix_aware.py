@@ -9,6 +9,7 @@ from gateway.router import Placement
 from tests.policy_fixtures import make_backends, request, text
 
 SYSTEM = text("shared system prompt", 4000)
+SHORT_SYSTEM = text("short system prompt", 600)  # holding it saves little, so load and history decide
 
 
 def policy(**overrides: float) -> PrefixAware:
@@ -30,12 +31,11 @@ def test_conversation_follows_its_history_not_the_shared_system_prompt() -> None
 
 def test_conversations_behind_a_short_shared_prompt_held_by_one_backend_spread() -> None:
     backends = make_backends(3)
-    short_system = text("short system prompt", 600)
-    backends[0].index.insert(request(short_system).hashes)
+    backends[0].index.insert(request(SHORT_SYSTEM).hashes)
     chooser = policy()
     chosen = set()
     for i in range(6):
-        prompt = request(short_system + text(f"distinct question {i}", 1200))
+        prompt = request(SHORT_SYSTEM + text(f"distinct question {i}", 1200))
         chosen.add(Placement(chooser.choose(backends, prompt), prompt).backend.url)  # reserved, as under load
     assert chosen == {b.url for b in backends}
 
@@ -124,35 +124,32 @@ def test_running_requests_pin_their_distinct_prompt_blocks_once() -> None:
 
 def test_new_conversation_settles_where_the_least_conversation_memory_runs() -> None:
     backends = make_backends(2)
-    short_system = text("short system prompt", 600)
-    backends[0].index.insert(request(short_system).hashes)
+    backends[0].index.insert(request(SHORT_SYSTEM).hashes)
     for i in range(8):  # long conversations running on backend 0, past their prefill
-        history = request(short_system + text(f"long history {i}", 6000))
+        history = request(SHORT_SYSTEM + text(f"long history {i}", 6000))
         Placement(policy().choose(backends[:1], history), history).first_byte()
-    decision = policy().choose(backends, request(short_system + text("new user", 400)))
+    decision = policy().choose(backends, request(SHORT_SYSTEM + text("new user", 400)))
     assert decision.backend is backends[1]
 
 
-def hold_idle_conversations(backend: Backend, system: str) -> None:
+def hold_idle_conversations(backend: Backend) -> None:
     """Eight long conversations between turns: their histories fill `backend`'s cache, nothing runs."""
     for i in range(8):
-        backend.index.insert(request(system + text(f"long history {i}", 6000)).hashes)
+        backend.index.insert(request(SHORT_SYSTEM + text(f"long history {i}", 6000)).hashes)
 
 
 def test_new_conversation_settles_where_the_least_history_is_held_between_turns() -> None:
     backends = make_backends(2)
-    short_system = text("short system prompt", 600)
-    hold_idle_conversations(backends[0], short_system)
-    decision = policy().choose(backends, request(short_system + text("new user", 400)))
+    hold_idle_conversations(backends[0])
+    decision = policy().choose(backends, request(SHORT_SYSTEM + text("new user", 400)))
     assert decision.backend is backends[1]
 
 
 def test_a_conversation_stays_with_its_history_however_much_its_backend_holds() -> None:
     backends = make_backends(2)
-    short_system = text("short system prompt", 600)
-    backends[1].index.insert(request(short_system).hashes)
-    hold_idle_conversations(backends[0], short_system)
-    mine = short_system + text("my short history", 800)
+    backends[1].index.insert(request(SHORT_SYSTEM).hashes)
+    hold_idle_conversations(backends[0])
+    mine = SHORT_SYSTEM + text("my short history", 800)
     backends[0].index.insert(request(mine).hashes)
     decision = policy().choose(backends, request(mine + text("my next question", 400)))
     assert decision.backend is backends[0] and decision.route is Route.PREFIX
