@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-import httpx
+import httpx2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -90,7 +90,7 @@ class Gateway:
             try:
                 upstream = await send_upstream(self.client, placement, exchange.path, exchange.raw,
                                                forwarded_headers(request.headers, exchange.request_id))
-            except httpx.TransportError as exc:
+            except httpx2.TransportError as exc:
                 self.unreachable(placement, exchange, exc, retry=len(tried) <= self.config.max_retries)
                 continue
             except GatewayError:
@@ -134,10 +134,10 @@ class Gateway:
         raw = json.dumps(result.body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         return replace(exchange, body=result.body, raw=raw, rewritten_spans=result.moved)
 
-    def unreachable(self, placement: Placement, exchange: Exchange, exc: httpx.TransportError, retry: bool) -> None:
+    def unreachable(self, placement: Placement, exchange: Exchange, exc: httpx2.TransportError, retry: bool) -> None:
         """The backend could not be reached before it sent anything: take it out, try the next one."""
         self.finish(placement, exchange, Outcome(status=502, error="unreachable"))
-        if isinstance(exc, httpx.ConnectError):
+        if isinstance(exc, httpx2.ConnectError):
             placement.backend.mark_down(f"connection failed: {exc}")
         if not (retry and is_retryable(exc)):
             raise broken(exc) from exc

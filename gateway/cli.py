@@ -70,8 +70,8 @@ def demo(args: argparse.Namespace) -> int:
 
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx logs every upstream call at INFO; the access log already says what happened.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    # httpx2 logs every upstream call at INFO; the access log already says what happened.
+    logging.getLogger("httpx2").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def build_parser() -> argparse.ArgumentParser:

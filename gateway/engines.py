@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-import httpx
+import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
 logger = logging.getLogger(__name__)
@@ -46,18 +46,18 @@ LOAD_METRICS = LoadMetricNames(
 )
 
 
-async def get_json(client: httpx.AsyncClient, url: str, timeout_s: float) -> Any:
+async def get_json(client: httpx2.AsyncClient, url: str, timeout_s: float) -> Any:
     """The JSON a GET returns, or None for any failure (discovery probes are allowed to miss)."""
     try:
         response = await client.get(url, timeout=timeout_s)
         if response.status_code != 200:
             return None
         return response.json()
-    except (httpx.HTTPError, ValueError):
+    except (httpx2.HTTPError, ValueError):
         return None
 
 
-async def discover_model(client: httpx.AsyncClient, url: str, timeout_s: float) -> ModelInfo | None:
+async def discover_model(client: httpx2.AsyncClient, url: str, timeout_s: float) -> ModelInfo | None:
     """The model a backend serves: OpenAI's /v1/models first, SGLang's server info as the fallback."""
     listing = await get_json(client, url + "/v1/models", timeout_s)
     if isinstance(listing, dict) and isinstance(listing.get("data"), list) and listing["data"]:
@@ -69,7 +69,7 @@ async def discover_model(client: httpx.AsyncClient, url: str, timeout_s: float) 
     return ModelInfo(name, {}) if isinstance(name, str) else None
 
 
-async def _sglang_server_info(client: httpx.AsyncClient, url: str, timeout_s: float) -> dict[str, Any] | None:
+async def _sglang_server_info(client: httpx2.AsyncClient, url: str, timeout_s: float) -> dict[str, Any] | None:
     for path in ("/server_info", "/get_server_info"):  # newer SGLang, then older
         info = await get_json(client, url + path, timeout_s)
         if isinstance(info, dict):
@@ -77,7 +77,7 @@ async def _sglang_server_info(client: httpx.AsyncClient, url: str, timeout_s: fl
     return None
 
 
-async def discover_engine(client: httpx.AsyncClient, url: str, timeout_s: float) -> EngineInfo:
+async def discover_engine(client: httpx2.AsyncClient, url: str, timeout_s: float) -> EngineInfo:
     info = await _sglang_server_info(client, url, timeout_s)
     if info is not None and _positive_int(info.get("max_total_num_tokens")):
         return EngineInfo("sglang", info["max_total_num_tokens"])
@@ -96,7 +96,7 @@ def _llama_cpp_capacity(props: dict[str, Any]) -> int | None:
     return None
 
 
-async def _vllm_engine(client: httpx.AsyncClient, url: str, timeout_s: float) -> EngineInfo:
+async def _vllm_engine(client: httpx2.AsyncClient, url: str, timeout_s: float) -> EngineInfo:
     """vLLM publishes its cache size only as labels of `vllm:cache_config_info`."""
     families = await scrape_metrics(client, url, timeout_s)
     for family in families or []:
@@ -109,13 +109,13 @@ async def _vllm_engine(client: httpx.AsyncClient, url: str, timeout_s: float) ->
     return EngineInfo("openai-compatible", None)
 
 
-async def scrape_metrics(client: httpx.AsyncClient, url: str, timeout_s: float) -> list[Any] | None:
+async def scrape_metrics(client: httpx2.AsyncClient, url: str, timeout_s: float) -> list[Any] | None:
     try:
         response = await client.get(url + "/metrics", timeout=timeout_s)
         if response.status_code != 200:
             return None
         return list(text_string_to_metric_families(response.text))
-    except (httpx.HTTPError, ValueError):
+    except (httpx2.HTTPError, ValueError):
         return None
 
 

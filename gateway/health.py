@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-import httpx
+import httpx2
 
 from gateway.backends import Backend, LoadSignals, Pool
 from gateway.config import GatewayConfig
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 class Upkeep:
-    def __init__(self, pool: Pool, client: httpx.AsyncClient, config: GatewayConfig) -> None:
+    def __init__(self, pool: Pool, client: httpx2.AsyncClient, config: GatewayConfig) -> None:
         self.pool = pool
         self.client = client
         self.config = config
@@ -79,7 +79,7 @@ class Upkeep:
     async def _probe_health(self, backend: Backend) -> tuple[bool, str]:
         try:
             response = await self.client.get(backend.url + "/health", timeout=self.config.health.timeout_s)
-        except httpx.HTTPError as exc:
+        except httpx2.HTTPError as exc:
             return False, f"GET /health failed: {exc.__class__.__name__}"
         if response.is_success:
             return True, ""

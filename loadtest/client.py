@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx2
 
 from loadtest.workload import Conversation, RequestKind, seeded
 
@@ -77,10 +77,10 @@ class _State:
     sent: list[Sent] = field(default_factory=list)
 
 
-def make_client(timeout_s: float = 600.0) -> httpx.AsyncClient:
+def make_client(timeout_s: float = 600.0) -> httpx2.AsyncClient:
     # trust_env=False: a host proxy variable must never capture loopback traffic (seed 000's 502).
-    return httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(timeout_s, connect=10.0),
-                             limits=httpx.Limits(max_connections=2000, max_keepalive_connections=2000))
+    return httpx2.AsyncClient(trust_env=False, timeout=httpx2.Timeout(timeout_s, connect=10.0),
+                             limits=httpx2.Limits(max_connections=2000, max_keepalive_connections=2000))
 
 
 async def drive(base_url: str, conversations: tuple[Conversation, ...], options: DriveOptions,
@@ -108,7 +108,7 @@ async def drive(base_url: str, conversations: tuple[Conversation, ...], options:
     return DriveResult(tuple(state.results), tuple(state.sent), duration)
 
 
-async def _send(client: httpx.AsyncClient, base_url: str, item: tuple[Conversation, int, tuple[Message, ...]],
+async def _send(client: httpx2.AsyncClient, base_url: str, item: tuple[Conversation, int, tuple[Message, ...]],
                 options: DriveOptions, state: _State, limit: asyncio.Semaphore | None,
                 on_done: Callable[[RequestResult], None] | None) -> None:
     conversation, turn_index, history = item
@@ -151,7 +151,7 @@ def _failed(kind: RequestKind, start_s: float, e2e_s: float, error: str, replica
     return RequestResult(0, 0, kind, start_s, None, e2e_s, (), 0, 0, 0, replica, error)
 
 
-async def _chat(client: httpx.AsyncClient, base_url: str, conversation: Conversation,
+async def _chat(client: httpx2.AsyncClient, base_url: str, conversation: Conversation,
                 messages: tuple[Message, ...], max_tokens: int, options: DriveOptions, run_start: float
                 ) -> tuple[RequestResult, str]:
     body: dict[str, Any] = {"model": conversation.model, "messages": list(messages), "max_tokens": max_tokens,
@@ -174,11 +174,11 @@ async def _chat(client: httpx.AsyncClient, base_url: str, conversation: Conversa
         prompt, cached, output = _usage(payload.get("usage"))
         return RequestResult(0, 0, RequestKind.CHAT, start - run_start, e2e, e2e, (), prompt, cached, output,
                              response.headers.get("x-replica-id"), None), answer
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+    except (httpx2.HTTPError, ValueError, KeyError, IndexError) as exc:
         return _failed(RequestKind.CHAT, start - run_start, time.perf_counter() - start, _describe(exc)), ""
 
 
-async def _chat_stream(client: httpx.AsyncClient, base_url: str, body: dict[str, Any], start: float,
+async def _chat_stream(client: httpx2.AsyncClient, base_url: str, body: dict[str, Any], start: float,
                        run_start: float) -> tuple[RequestResult, str]:
     chunk_times: list[float] = []
     pieces: list[str] = []
@@ -213,7 +213,7 @@ async def _chat_stream(client: httpx.AsyncClient, base_url: str, body: dict[str,
                          output or len(chunk_times), replica, None), "".join(pieces)
 
 
-async def _embed(client: httpx.AsyncClient, base_url: str, conversation: Conversation, text: str,
+async def _embed(client: httpx2.AsyncClient, base_url: str, conversation: Conversation, text: str,
                  run_start: float) -> tuple[RequestResult, str]:
     start = time.perf_counter()
     try:
@@ -225,7 +225,7 @@ async def _embed(client: httpx.AsyncClient, base_url: str, conversation: Convers
         prompt, cached, _ = _usage(response.json().get("usage"))
         return RequestResult(0, 0, RequestKind.EMBEDDING, start - run_start, e2e, e2e, (), prompt, cached, 0,
                              replica, None), ""
-    except (httpx.HTTPError, ValueError) as exc:
+    except (httpx2.HTTPError, ValueError) as exc:
         return _failed(RequestKind.EMBEDDING, start - run_start, time.perf_counter() - start, _describe(exc)), ""
 
 
@@ -238,7 +238,7 @@ def _usage(usage: dict[str, Any] | None) -> tuple[int, int, int]:
         int(usage.get("completion_tokens") or 0)
 
 
-def _error_text(response: httpx.Response) -> str:
+def _error_text(response: httpx2.Response) -> str:
     return f"HTTP {response.status_code}: {response.text[:200]}"
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import httpx
+import httpx2
 
 from gateway.upstream import PROXY_VARIABLES
 
@@ -115,7 +115,7 @@ def start_process(
 def wait_ready(process: Process, ready_urls: Sequence[str], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     pending = list(ready_urls)
-    with httpx.Client(trust_env=False, timeout=2.0) as client:
+    with httpx2.Client(trust_env=False, timeout=2.0) as client:
         while pending:
             if not process.alive():
                 raise FleetError(f"{process.name} exited with {process.popen.returncode}:\n{process.log_tail()}")
@@ -126,7 +126,7 @@ def wait_ready(process: Process, ready_urls: Sequence[str], timeout_s: float) ->
                 if client.get(pending[0]).status_code == 200:
                     pending.pop(0)
                     continue
-            except httpx.HTTPError:
+            except httpx2.HTTPError:
                 pass
             time.sleep(0.1)
 

@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import httpx
+import httpx2
 
 from loadtest.client import DriveOptions, DriveResult, drive
 from loadtest.fleet import Fleet, running_fleet
@@ -127,11 +127,11 @@ _REQUESTS_METRIC = re.compile(r"^sglang:num_requests_total(?:\{[^}]*\})?\s+([0-9
 async def replica_request_counts(urls: Sequence[str]) -> dict[str, int]:
     """Requests served so far per replica URL, from `sglang:num_requests_total`; {} when not exported."""
     counts: dict[str, int] = {}
-    async with httpx.AsyncClient(trust_env=False, timeout=5.0) as client:
+    async with httpx2.AsyncClient(trust_env=False, timeout=5.0) as client:
         for url in urls:
             try:
                 text = (await client.get(f"{url}/metrics")).text
-            except httpx.HTTPError:
+            except httpx2.HTTPError:
                 return {}
             found = _REQUESTS_METRIC.findall(text)
             if not found:
@@ -170,9 +170,9 @@ def _retarget(conversation: Conversation, model: str) -> Conversation:
 
 
 async def first_model(url: str) -> str | None:
-    async with httpx.AsyncClient(trust_env=False, timeout=10.0) as client:
+    async with httpx2.AsyncClient(trust_env=False, timeout=10.0) as client:
         try:
             data = (await client.get(f"{url.rstrip('/')}/v1/models")).json().get("data") or []
-        except (httpx.HTTPError, ValueError):
+        except (httpx2.HTTPError, ValueError):
             return None
     return str(data[0]["id"]) if data else None

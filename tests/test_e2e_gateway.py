@@ -1,8 +1,8 @@
-"""The gateway in front of three simulated replicas, over real HTTP with httpx and the openai SDK."""
+"""The gateway in front of three simulated replicas, over real HTTP with httpx2 and the openai SDK."""
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import openai
 import pytest
 
@@ -11,9 +11,9 @@ from loadtest.fleet import Fleet
 SYSTEM = "You are the support assistant of a bookshop. Answer politely and precisely. " * 40  # ~3,000 chars
 
 
-def chat(gateway: str, messages: list[dict[str, str]], **extra: object) -> httpx.Response:
+def chat(gateway: str, messages: list[dict[str, str]], **extra: object) -> httpx2.Response:
     body = {"model": "sim-llama-8b", "messages": messages, "max_tokens": 4, **extra}
-    return httpx.post(gateway + "/v1/chat/completions", json=body, timeout=30, trust_env=False)
+    return httpx2.post(gateway + "/v1/chat/completions", json=body, timeout=30, trust_env=False)
 
 
 def test_requests_sharing_a_long_prefix_land_on_one_backend(llm_fleet: tuple[Fleet, str, list[str]]) -> None:
@@ -39,7 +39,7 @@ def test_unrelated_prompts_spread_over_backends(llm_fleet: tuple[Fleet, str, lis
 def test_openai_sdk_sees_cached_tokens_streaming_and_not(llm_fleet: tuple[Fleet, str, list[str]]) -> None:
     _, gateway, _ = llm_fleet
     client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0,
-                           http_client=httpx.Client(trust_env=False, timeout=30))
+                           http_client=httpx2.Client(trust_env=False, timeout=30))
     messages = [{"role": "system", "content": "Streaming check. " + SYSTEM}, {"role": "user", "content": "Hi"}]
     first = client.chat.completions.create(model="sim-llama-8b", messages=messages, max_tokens=5)
     assert first.choices[0].message.content
@@ -62,7 +62,7 @@ def test_gateway_metrics_count_the_cached_tokens_backends_report(llm_fleet: tupl
     for question in ("a", "b"):
         chat(gateway, [{"role": "system", "content": "Metrics. " + SYSTEM}, {"role": "user", "content": question}],
              stream=True, stream_options={"include_usage": True})
-    metrics = httpx.get(gateway + "/metrics", trust_env=False).text
+    metrics = httpx2.get(gateway + "/metrics", trust_env=False).text
     cached = sum(float(line.split()[-1]) for line in metrics.splitlines()
                  if line.startswith("gateway_cached_tokens_total{"))
     predicted = sum(float(line.split()[-1]) for line in metrics.splitlines()
@@ -76,14 +76,14 @@ def test_sglang_generate_endpoint_is_relayed(llm_fleet: tuple[Fleet, str, list[s
     _, gateway, _ = llm_fleet
     body = {"text": SYSTEM, "sampling_params": {"max_new_tokens": 3}}
     for _ in range(2):
-        response = httpx.post(gateway + "/generate", json=body, timeout=30, trust_env=False)
+        response = httpx2.post(gateway + "/generate", json=body, timeout=30, trust_env=False)
     assert response.status_code == 200
     assert response.json()["meta_info"]["cached_tokens"] > 0
 
 
 def test_request_id_is_propagated_or_generated(llm_fleet: tuple[Fleet, str, list[str]]) -> None:
     _, gateway, _ = llm_fleet
-    given = httpx.post(gateway + "/v1/chat/completions", headers={"x-request-id": "abc-123"}, timeout=30,
+    given = httpx2.post(gateway + "/v1/chat/completions", headers={"x-request-id": "abc-123"}, timeout=30,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, trust_env=False)
     assert given.headers["x-request-id"] == "abc-123"
     generated = chat(gateway, [{"role": "user", "content": "hi"}])
@@ -99,7 +99,7 @@ def test_request_id_is_propagated_or_generated(llm_fleet: tuple[Fleet, str, list
 def test_bad_requests_get_openai_shaped_errors(llm_fleet: tuple[Fleet, str, list[str]], body: bytes, status: int,
                                                fragment: str) -> None:
     _, gateway, _ = llm_fleet
-    response = httpx.post(gateway + "/v1/chat/completions", content=body, trust_env=False,
+    response = httpx2.post(gateway + "/v1/chat/completions", content=body, trust_env=False,
                           headers={"content-type": "application/json"})
     assert response.status_code == status
     error = response.json()["error"]
@@ -116,12 +116,12 @@ def test_oversized_body_is_413(fleet: Fleet, llm_fleet: tuple[Fleet, str, list[s
 
 def test_operational_endpoints(llm_fleet: tuple[Fleet, str, list[str]]) -> None:
     _, gateway, replicas = llm_fleet
-    assert httpx.get(gateway + "/health", trust_env=False).status_code == 200
-    assert httpx.get(gateway + "/ready", trust_env=False).json()["ready"] is True
-    described = httpx.get(gateway + "/backends", trust_env=False).json()
+    assert httpx2.get(gateway + "/health", trust_env=False).status_code == 200
+    assert httpx2.get(gateway + "/ready", trust_env=False).json()["ready"] is True
+    described = httpx2.get(gateway + "/backends", trust_env=False).json()
     assert described["policy"] == "prefix_aware"
     assert [b["url"] for b in described["backends"]] == replicas
     assert all(b["healthy"] and b["model"] == "sim-llama-8b" and b["capacity_tokens"] for b in described["backends"])
-    assert [m["id"] for m in httpx.get(gateway + "/v1/models", trust_env=False).json()["data"]] == ["sim-llama-8b"]
-    missing = httpx.get(gateway + "/v2/nothing", trust_env=False)
+    assert [m["id"] for m in httpx2.get(gateway + "/v1/models", trust_env=False).json()["data"]] == ["sim-llama-8b"]
+    missing = httpx2.get(gateway + "/v2/nothing", trust_env=False)
     assert missing.status_code == 404 and "error" in missing.json()

@@ -5,7 +5,7 @@ Needs `bash scripts/real-engine/setup.sh`; skipped with that hint otherwise.
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import openai
 import pytest
 
@@ -20,11 +20,11 @@ FAST = ["--health-check-interval-secs", "0.2", "--health-check-timeout-secs", "2
 
 def client_for(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.Client(trust_env=False, timeout=60))
+                         http_client=httpx2.Client(trust_env=False, timeout=60))
 
 
 def cached_total(gateway: str) -> float:
-    metrics = httpx.get(gateway + "/metrics", trust_env=False).text
+    metrics = httpx2.get(gateway + "/metrics", trust_env=False).text
     return sum(float(line.split()[-1]) for line in metrics.splitlines()
                if line.startswith("gateway_cached_tokens_total{"))
 
@@ -34,7 +34,7 @@ def test_second_turn_lands_on_the_same_engine_and_is_served_from_its_prompt_cach
     # whether the second turn is served from cache (with several slots, llama-server's own slot choice joins in).
     with llama_fleet(2, ctx_size=4096, parallel=1) as servers:
         gateway = fleet.start_gateway([s.url for s in servers], args=FAST)
-        described = httpx.get(gateway.url + "/backends", trust_env=False).json()["backends"]
+        described = httpx2.get(gateway.url + "/backends", trust_env=False).json()["backends"]
         assert {b["engine"] for b in described} == {"llama.cpp"}
         assert {b["model"] for b in described} == {"tiny-llama"} and all(b["capacity_tokens"] for b in described)
         client = client_for(gateway.url)

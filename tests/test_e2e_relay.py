@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-import httpx
+import httpx2
 
 from loadtest.fleet import Fleet
 from tests.capture_backend import capture_backend
@@ -16,7 +16,7 @@ def test_body_reaches_the_backend_byte_for_byte_and_headers_are_cleaned(fleet: F
         gateway = fleet.start_gateway([url], args=["--log-level", "warning"])
         body = (b'{"model": "capture-model", "messages": [{"role": "user", "content": "caf\\u00e9 \xe2\x98\x95"}],'
                 b' "stream_options": {"include_usage": true}, "no_stop_trim": true, "my_unknown_field": [1, {"a": 2}]}')
-        response = httpx.post(gateway.url + "/v1/chat/completions", content=body, trust_env=False,
+        response = httpx2.post(gateway.url + "/v1/chat/completions", content=body, trust_env=False,
                               headers={"content-type": "application/json", "authorization": "Bearer k",
                                        "x-request-id": "rid-1", "connection": "keep-alive", "te": "trailers"})
     assert response.status_code == 200
@@ -31,7 +31,7 @@ def test_body_reaches_the_backend_byte_for_byte_and_headers_are_cleaned(fleet: F
 def test_backend_errors_are_relayed_unchanged(fleet: Fleet) -> None:
     with capture_backend() as (url, _):
         gateway = fleet.start_gateway([url], args=["--log-level", "warning"])
-        response = httpx.post(gateway.url + "/v1/chat/completions", trust_env=False,
+        response = httpx2.post(gateway.url + "/v1/chat/completions", trust_env=False,
                               json={"messages": [{"role": "user", "content": "x"}], "reject": True})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
@@ -45,9 +45,9 @@ def test_upstream_calls_ignore_proxy_variables_pointing_at_a_dead_proxy(fleet: F
     replicas = fleet.start_replicas(2, args=["--time-scale", "0.01", "--log-level", "warning"])
     gateway = fleet.start_gateway(replicas.urls, env={**os.environ, **env})  # waits for /ready: health checks passed
     for stream in (False, True):
-        response = httpx.post(gateway.url + "/v1/chat/completions", trust_env=False, timeout=30,
+        response = httpx2.post(gateway.url + "/v1/chat/completions", trust_env=False, timeout=30,
                               json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2,
                                     "stream": stream})
         assert response.status_code == 200
     assert "are set and ignored" in gateway.log_tail(20000)
-    assert json.loads(httpx.get(gateway.url + "/v1/models", trust_env=False).text)["data"]
+    assert json.loads(httpx2.get(gateway.url + "/v1/models", trust_env=False).text)["data"]

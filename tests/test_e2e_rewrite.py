@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 
-import httpx
+import httpx2
 
 from loadtest.fleet import Fleet
 from tests.capture_backend import capture_backend
@@ -14,14 +14,14 @@ from tests.conftest import FAST_GATEWAY
 SYSTEM = "You are the billing assistant. Follow the policy below exactly. " * 40
 
 
-def ask(gateway: str, request_id: str, question: str, headers: dict[str, str] | None = None) -> httpx.Response:
+def ask(gateway: str, request_id: str, question: str, headers: dict[str, str] | None = None) -> httpx2.Response:
     messages = [{"role": "system", "content": f"Request ID: {request_id}\n{SYSTEM}"},
                 {"role": "user", "content": question}]
-    return httpx.post(gateway + "/v1/chat/completions", trust_env=False, timeout=30, headers=headers or {},
+    return httpx2.post(gateway + "/v1/chat/completions", trust_env=False, timeout=30, headers=headers or {},
                       json={"model": "sim-llama-8b", "messages": messages, "max_tokens": 3})
 
 
-def cached(response: httpx.Response) -> int:
+def cached(response: httpx2.Response) -> int:
     return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
@@ -32,7 +32,7 @@ def test_moved_request_id_keeps_affinity_and_cache_hits(llm_fleet: tuple[Fleet, 
     assert second.headers["x-gateway-rewritten-spans"] == "1"
     assert second.headers["x-gateway-backend"] == first.headers["x-gateway-backend"]
     assert cached(second) > 500
-    metrics = httpx.get(gateway + "/metrics", trust_env=False).text
+    metrics = httpx2.get(gateway + "/metrics", trust_env=False).text
     assert 'gateway_rewrite_spans_total{action="move",rule="id_line"}' in metrics
 
 
@@ -49,7 +49,7 @@ def test_backend_receives_the_rewritten_prompt_and_the_rest_untouched(fleet: Fle
     with capture_backend("sim-llama-8b") as (url, captured):
         gateway = fleet.start_gateway([url], args=FAST_GATEWAY)
         request_id = str(uuid.uuid4())
-        httpx.post(gateway.url + "/v1/chat/completions", trust_env=False, timeout=30,
+        httpx2.post(gateway.url + "/v1/chat/completions", trust_env=False, timeout=30,
                    json={"messages": [{"role": "system", "content": f"Request ID: {request_id}\nBe brief."},
                                       {"role": "user", "content": "Hi"}], "temperature": 0.25, "extra": [1]})
     sent = json.loads(captured.bodies[0])

@@ -7,7 +7,7 @@ been run (see tests/llama_fleet.py).
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 
 from tests.llama_fleet import llama_fleet
@@ -24,7 +24,7 @@ def test_two_servers_answer_a_chat_each() -> None:
             # trust_env=False: loopback traffic must not go through a proxy
             # that HTTP(S)_PROXY may name.
             with (
-                httpx.Client(trust_env=False) as http,
+                httpx2.Client(trust_env=False) as http,
                 openai.OpenAI(
                     base_url=s.openai_base_url, api_key="unused", http_client=http, max_retries=0, timeout=30
                 ) as client,

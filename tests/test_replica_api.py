@@ -6,7 +6,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 
-import httpx
+import httpx2
 import openai
 import pytest
 
@@ -44,8 +44,8 @@ def embedder(fleet: Fleet) -> Process:
 
 
 @pytest.fixture()
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(trust_env=False, timeout=20) as client:
+def http() -> Iterator[httpx2.Client]:
+    with httpx2.Client(trust_env=False, timeout=20) as client:
         yield client
 
 
@@ -65,7 +65,7 @@ def sdk() -> Iterator[MakeClient]:
 
 
 @pytest.fixture()
-def faulty(replicas: Process, http: httpx.Client) -> Iterator[str]:
+def faulty(replicas: Process, http: httpx2.Client) -> Iterator[str]:
     url = replicas.urls[1]
     yield url
     clear = {"error_rate": 0, "latency_ms": 0, "hang": False, "drop_after_chunks": None, "unhealthy_for_s": 0}
@@ -116,7 +116,7 @@ def test_completions_stream_and_not(sdk: MakeClient, replicas: Process) -> None:
     assert "".join(pieces) == reply.choices[0].text
 
 
-def test_generate_native_reports_meta_info(replicas: Process, http: httpx.Client) -> None:
+def test_generate_native_reports_meta_info(replicas: Process, http: httpx2.Client) -> None:
     body = {"text": "native prompt " * 20, "sampling_params": {"max_new_tokens": 4}, "model": None,
             "no_logs": False}
     first = http.post(replicas.url + "/generate", json=body).json()
@@ -129,7 +129,7 @@ def test_generate_native_reports_meta_info(replicas: Process, http: httpx.Client
     assert [item["meta_info"]["completion_tokens"] for item in batch] == [16, 16]
 
 
-def test_generate_stream_repeats_cumulative_text(replicas: Process, http: httpx.Client) -> None:
+def test_generate_stream_repeats_cumulative_text(replicas: Process, http: httpx2.Client) -> None:
     body = {"text": "stream natively", "sampling_params": {"max_new_tokens": 3}, "stream": True}
     with http.stream("POST", replicas.url + "/generate", json=body) as response:
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
@@ -139,7 +139,7 @@ def test_generate_stream_repeats_cumulative_text(replicas: Process, http: httpx.
     assert events[-1]["meta_info"]["finish_reason"]["length"] == 3
 
 
-def test_info_endpoints_have_what_routers_read(sdk: MakeClient, replicas: Process, http: httpx.Client) -> None:
+def test_info_endpoints_have_what_routers_read(sdk: MakeClient, replicas: Process, http: httpx2.Client) -> None:
     url = replicas.url
     for path in ("/server_info", "/get_server_info"):
         info = http.get(url + path).json()
@@ -156,14 +156,14 @@ def test_info_endpoints_have_what_routers_read(sdk: MakeClient, replicas: Proces
     assert response.status_code == 200 and response.headers["x-replica-id"] == url.removeprefix("http://")
 
 
-def test_metrics_use_sglang_names_with_model_label(replicas: Process, http: httpx.Client) -> None:
+def test_metrics_use_sglang_names_with_model_label(replicas: Process, http: httpx2.Client) -> None:
     text = http.get(replicas.url + "/metrics").text
     for name in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate", "prompt_tokens_total",
                  "generation_tokens_total", "cached_tokens_total"):
         assert f'sglang:{name}{{model_name="sim-test"}}' in text
 
 
-def test_flush_cache_makes_the_next_request_miss(replicas: Process, http: httpx.Client) -> None:
+def test_flush_cache_makes_the_next_request_miss(replicas: Process, http: httpx2.Client) -> None:
     body = {"text": "flush me " * 40, "sampling_params": {"max_new_tokens": 1}}
     http.post(replicas.url + "/generate", json=body)
     assert http.post(replicas.url + "/flush_cache").status_code == 200
@@ -178,7 +178,7 @@ def test_flush_cache_makes_the_next_request_miss(replicas: Process, http: httpx.
     (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}', "max_tokens"),
     (b'{"messages": [{"role": "user", "content": 5}]}', "messages"),
 ])
-def test_bad_chat_requests_get_400_in_openai_shape(replicas: Process, http: httpx.Client, body: bytes,
+def test_bad_chat_requests_get_400_in_openai_shape(replicas: Process, http: httpx2.Client, body: bytes,
                                                    param: str | None) -> None:
     response = http.post(replicas.url + "/v1/chat/completions", content=body,
                          headers={"content-type": "application/json"})
@@ -187,14 +187,14 @@ def test_bad_chat_requests_get_400_in_openai_shape(replicas: Process, http: http
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
 
 
-def test_unknown_fields_and_sglang_extras_are_ignored(replicas: Process, http: httpx.Client) -> None:
+def test_unknown_fields_and_sglang_extras_are_ignored(replicas: Process, http: httpx2.Client) -> None:
     body = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2, "no_stop_trim": False,
             "skip_special_tokens": True, "separate_reasoning": True, "rid": "r1", "ignore_eos": False,
             "logprobs": False, "stream_reasoning": True, "return_hidden_states": False, "surprise": {"a": 1}}
     assert http.post(replicas.url + "/v1/chat/completions", json=body).status_code == 200
 
 
-def test_embeddings_are_deterministic_unit_vectors(sdk: MakeClient, embedder: Process, http: httpx.Client) -> None:
+def test_embeddings_are_deterministic_unit_vectors(sdk: MakeClient, embedder: Process, http: httpx2.Client) -> None:
     client = sdk(embedder.url)
     first = client.embeddings.create(model="sim-embed", input=["alpha", "beta"])          # base64 by default
     floats = client.embeddings.create(model="sim-embed", input="alpha", encoding_format="float")
@@ -206,13 +206,13 @@ def test_embeddings_are_deterministic_unit_vectors(sdk: MakeClient, embedder: Pr
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "model"
 
 
-def test_unhealthy_for_flag_makes_probes_503(embedder: Process, http: httpx.Client) -> None:
+def test_unhealthy_for_flag_makes_probes_503(embedder: Process, http: httpx2.Client) -> None:
     for path in ("/health", "/health_generate", "/ready"):
         assert http.get(embedder.url + path).status_code == 503
     assert http.get(embedder.url + "/control/faults").json()["unhealthy_remaining_s"] > 500
 
 
-def test_error_rate_one_answers_500_in_openai_shape(sdk: MakeClient, faulty: str, http: httpx.Client) -> None:
+def test_error_rate_one_answers_500_in_openai_shape(sdk: MakeClient, faulty: str, http: httpx2.Client) -> None:
     assert http.post(faulty + "/control/faults", json={"error_rate": 1.0}).json()["error_rate"] == 1.0
     with pytest.raises(openai.InternalServerError) as raised:
         sdk(faulty).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
@@ -220,7 +220,7 @@ def test_error_rate_one_answers_500_in_openai_shape(sdk: MakeClient, faulty: str
     assert set(raised.value.response.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_unhealthy_for_set_at_runtime(faulty: str, http: httpx.Client) -> None:
+def test_unhealthy_for_set_at_runtime(faulty: str, http: httpx2.Client) -> None:
     http.post(faulty + "/control/faults", json={"unhealthy_for_s": 60})
     assert http.get(faulty + "/health").status_code == 503
     http.post(faulty + "/control/faults", json={"unhealthy_for_s": 0})
@@ -228,33 +228,33 @@ def test_unhealthy_for_set_at_runtime(faulty: str, http: httpx.Client) -> None:
 
 
 def test_drop_after_chunks_cuts_the_stream(faulty: str) -> None:
-    with httpx.Client(trust_env=False, timeout=20) as http:
+    with httpx2.Client(trust_env=False, timeout=20) as http:
         http.post(faulty + "/control/faults", json={"drop_after_chunks": 2})
         body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10, "stream": True}
         received: list[str] = []
-        with pytest.raises(httpx.RemoteProtocolError):
+        with pytest.raises(httpx2.RemoteProtocolError):
             with http.stream("POST", faulty + "/v1/chat/completions", json=body) as response:
                 received.extend(line for line in response.iter_lines() if line)
     assert len(received) == 2
 
 
-def test_hang_holds_requests_until_cleared(faulty: str, http: httpx.Client) -> None:
+def test_hang_holds_requests_until_cleared(faulty: str, http: httpx2.Client) -> None:
     http.post(faulty + "/control/faults", json={"hang": True})
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(httpx2.ReadTimeout):
         http.post(faulty + "/v1/chat/completions", json=body, timeout=0.5)
     assert http.get(faulty + "/health").status_code == 200
     http.post(faulty + "/control/faults", json={"hang": False})
     assert http.post(faulty + "/v1/chat/completions", json=body).status_code == 200
 
 
-def test_bad_fault_settings_get_400(faulty: str, http: httpx.Client) -> None:
+def test_bad_fault_settings_get_400(faulty: str, http: httpx2.Client) -> None:
     assert http.post(faulty + "/control/faults", json={"error_rate": 2}).status_code == 400
     assert http.post(faulty + "/control/faults", json={"explode": True}).status_code == 400
     assert http.post(faulty + "/control/faults", json={"hang": "yes"}).status_code == 400
 
 
-def test_latency_fault_delays_the_response(faulty: str, http: httpx.Client) -> None:
+def test_latency_fault_delays_the_response(faulty: str, http: httpx2.Client) -> None:
     http.post(faulty + "/control/faults", json={"latency_ms": 300})
     response = http.post(faulty + "/v1/chat/completions",
                          json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})

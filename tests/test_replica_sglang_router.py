@@ -14,7 +14,7 @@ import importlib.util
 import re
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import openai
 import pytest
 
@@ -46,7 +46,7 @@ def client(fleet: tuple[Process, Process]) -> Iterator[openai.OpenAI]:
 
 
 def prompt_tokens_served(url: str) -> float:
-    with httpx.Client(trust_env=False, timeout=10) as http:
+    with httpx2.Client(trust_env=False, timeout=10) as http:
         text = http.get(url + "/metrics").text
     match = re.search(r"^sglang:prompt_tokens_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
     assert match is not None
@@ -79,7 +79,7 @@ def test_completions_and_generate_through_sglang_router(fleet: tuple[Process, Pr
                                                         client: openai.OpenAI) -> None:
     reply = client.completions.create(model="sim-llama-8b", prompt="Once upon a time", max_tokens=3)
     assert len(reply.choices[0].text.split()) == 3
-    with httpx.Client(trust_env=False, timeout=30) as http:
+    with httpx2.Client(trust_env=False, timeout=30) as http:
         response = http.post(fleet[1].url + "/generate",
                              json={"text": "native", "sampling_params": {"max_new_tokens": 2}})
     assert response.status_code == 200 and response.json()["meta_info"]["completion_tokens"] == 2
