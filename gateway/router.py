@@ -79,13 +79,17 @@ class Placement:
             self.backend.prefill_done(self.prefill_tokens)
 
     def learn(self, reported_cached_tokens: int) -> bool:
-        """Correct the index when the backend reports far fewer cached tokens than predicted: it evicted
-        that part of the prefix. Returns whether the index changed."""
+        """Correct the index when the backend reports far fewer cached tokens than predicted: it had evicted
+        that part of the prefix, and with it every prompt branching below (an engine evicts leaves first).
+        This prompt itself is cached again -- the backend just computed it -- so it stays in the index, and
+        the next request behind the same prefix still finds its owner. Returns whether the index changed."""
         if reported_cached_tokens >= self.predicted_cached_tokens * EVICTION_EVIDENCE_RATIO:
             return False
-        request = self.request
+        request, index = self.request, self.backend.index
         keep_blocks = int(reported_cached_tokens * request.chars_per_token) // request.block_chars
-        return self.backend.index.truncate(request.hashes, keep_blocks) > 0
+        forgotten = index.truncate(request.hashes, keep_blocks)
+        index.insert(request.hashes)
+        return forgotten > 0
 
     def finish(self) -> None:
         if not self._finished:
