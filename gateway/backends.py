@@ -37,6 +37,9 @@ class LoadSignals:
     running_requests: float
     kv_usage: float  # 0..1, share of the KV pool in use
     read_at_s: float  # time.monotonic() of the scrape
+    # Our requests then still waiting for their first byte: the part of the queue we know of. Compared with
+    # the count at scrape time, not now, or a request of ours finished since would look like foreign work.
+    ours_prefilling: int = 0
 
 
 @dataclass(eq=False)

@@ -118,4 +118,4 @@ class Upkeep:
         families = await scrape_metrics(self.client, backend.url, self.config.health.timeout_s)
         load = read_load(families) if families else None
         if load is not None:
-            backend.signals = LoadSignals(*load, read_at_s=time.monotonic())
+            backend.signals = LoadSignals(*load, read_at_s=time.monotonic(), ours_prefilling=backend.prefilling)

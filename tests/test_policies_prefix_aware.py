@@ -168,5 +168,14 @@ def test_engine_queue_we_sent_ourselves_is_not_counted_twice() -> None:
         follow_up = request(history + text(f"question {i}", 200))
         Placement(chooser.choose(backends[:1], follow_up), follow_up)
     backends[0].signals = LoadSignals(queued_requests=4, running_requests=0, kv_usage=0.5,
-                                      read_at_s=time.monotonic())
+                                      read_at_s=time.monotonic(), ours_prefilling=backends[0].prefilling)
     assert chooser.choose(backends, request(history + text("next", 200))).backend is backends[0]
+
+
+def test_engine_queue_counted_at_scrape_time_forgets_our_requests_finished_since() -> None:
+    backends = make_backends(2)
+    backends[0].signals = LoadSignals(queued_requests=3, running_requests=0, kv_usage=0.1,
+                                      read_at_s=time.monotonic(), ours_prefilling=3)  # ours, finished since
+    cold = request(text("cold", 2000))
+    chooser = policy()
+    assert chooser.cost(backends[0], 0, cold) == chooser.cost(backends[1], 0, cold)

@@ -16,8 +16,8 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   needs.
 - `queued_prefill(b)`: uncached prompt tokens of requests sent to `b` that have not produced a first byte yet
   (reserved at decision time, so a burst sees its own placements). When `b`'s own `/metrics` are fresher than
-  `signal_max_age_s` and its queue is longer than what we sent (traffic from elsewhere), each extra request
-  counts as much as ours do on average. For non-streamed requests the first byte is the whole answer, so this
+  `signal_max_age_s` and its queue was longer than what we had sent when they were read (traffic from
+  elsewhere), each extra request counts as much as ours do on average. For non-streamed requests the first byte is the whole answer, so this
   overestimates.
 - `active_tokens(b)`: distinct prompt tokens of the requests running on `b` (a prefix they share counts once),
   the KV memory they pin, weighted by `active_weight` (default 0.15). It is what balances *where long-lived
@@ -106,7 +106,7 @@ class PrefixAware:
         queued = float(backend.pending_prefill_tokens)
         signals = backend.signals
         if signals is not None and time.monotonic() - signals.read_at_s <= self.signal_max_age_s:
-            unknown = signals.queued_requests - backend.prefilling
+            unknown = signals.queued_requests - signals.ours_prefilling
             if unknown > 0:
                 each = queued / backend.prefilling if backend.prefilling else uncached
                 queued += unknown * each
