@@ -10,10 +10,12 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.backlog import PrefillBacklog
 from gateway.errors import BadRequest, ModelNotFound, NoHealthyBackend
 from gateway.prefix_index import PrefixIndex
 
@@ -57,6 +59,7 @@ class Backend:
     prefilling: int = 0  # requests sent that have not produced a first byte yet
     pending_prefill_tokens: int = 0  # their reserved uncached prompt tokens
     signals: LoadSignals | None = None
+    backlog: PrefillBacklog = field(default_factory=PrefillBacklog, repr=False)
     _active_refs: collections.Counter[int] = field(default_factory=collections.Counter, repr=False)
 
     @property
@@ -69,7 +72,12 @@ class Backend:
         by many running requests counts once, as it does in the engine's pool."""
         return len(self._active_refs)
 
+    def queued_prefill_tokens(self, now_s: float) -> float:
+        """Prompt tokens of ours the backend probably still has to prefill (see `backlog.py`)."""
+        return self.backlog.remaining_tokens(self.pending_prefill_tokens, now_s)
+
     def reserve(self, prefill_tokens: int, hashes: Sequence[int]) -> None:
+        self.backlog.added(prefill_tokens, self.pending_prefill_tokens, time.monotonic())
         self.in_flight += 1
         self.prefilling += 1
         self.pending_prefill_tokens += prefill_tokens
@@ -78,6 +86,7 @@ class Backend:
     def prefill_done(self, prefill_tokens: int) -> None:
         self.prefilling = max(0, self.prefilling - 1)
         self.pending_prefill_tokens = max(0, self.pending_prefill_tokens - prefill_tokens)
+        self.backlog.done(prefill_tokens, self.pending_prefill_tokens, self.prefilling, time.monotonic())
 
     def release(self, hashes: Sequence[int]) -> None:
         self.in_flight = max(0, self.in_flight - 1)
@@ -105,6 +114,8 @@ class Backend:
         return {
             "url": self.url, "model": self.model, "engine": self.engine, "healthy": self.healthy,
             "in_flight": self.in_flight, "pending_prefill_tokens": self.pending_prefill_tokens,
+            "queued_prefill_tokens": round(self.queued_prefill_tokens(time.monotonic())),
+            "prefill_tokens_per_s": self.backlog.tokens_per_s,
             "active_blocks": self.active_blocks,
             "capacity_tokens": self.capacity_tokens, "index_blocks": self.index.size_blocks,
             "index_capacity_blocks": self.index.capacity_blocks,

@@ -30,6 +30,8 @@ class _PoolCollector(Collector):
             "in_flight_requests": ("requests sent to the backend and not finished", lambda b: float(b.in_flight)),
             "pending_prefill_tokens": ("uncached prompt tokens reserved on the backend, not yet past first byte",
                                        lambda b: float(b.pending_prefill_tokens)),
+            "prefill_tokens_per_second": ("prefill rate the backend has shown (0 until learned)",
+                                          lambda b: b.backlog.tokens_per_s or 0.0),
             "index_blocks": ("blocks in the backend's prefix index", lambda b: float(b.index.size_blocks)),
             "index_capacity_blocks": ("bound of the backend's prefix index, in blocks",
                                       lambda b: float(b.index.capacity_blocks)),

@@ -2,6 +2,8 @@
 
 import time
 
+import pytest
+
 from gateway.backends import Backend, LoadSignals
 from gateway.policies import Route
 from gateway.policies.prefix_aware import PrefixAware
@@ -170,6 +172,44 @@ def test_engine_queue_we_sent_ourselves_is_not_counted_twice() -> None:
     backends[0].signals = LoadSignals(queued_requests=4, running_requests=0, kv_usage=0.5,
                                       read_at_s=time.monotonic(), ours_prefilling=backends[0].prefilling)
     assert chooser.choose(backends, request(history + text("next", 200))).backend is backends[0]
+
+
+class FakeClock:
+    """Stands in for time.monotonic(): the backends' prefill backlogs and the policy read the same clock."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def sent(backends: list[Backend], prompt: str) -> Placement:
+    """`prompt` routed among `backends` by prefix_aware and reserved there, as the router does."""
+    routed = request(prompt)
+    return Placement(policy().choose(backends, routed), routed)
+
+
+def teach_prefill_rate(backend: Backend, clock: FakeClock, tokens_per_s: float) -> None:
+    """Prefills of 1,000 tokens, one after another, until the backend's rate is learned."""
+    while backend.backlog.tokens_per_s is None:
+        placement = sent([backend], text("warm-up", 4000))
+        clock.now_s += placement.prefill_tokens / tokens_per_s
+        placement.finish()
+
+
+def test_newcomer_joins_the_backend_whose_prefill_is_nearly_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(time, "monotonic", clock)
+    backends = make_backends(2)
+    for backend in backends:
+        teach_prefill_rate(backend, clock, tokens_per_s=4000)
+    for i in range(2):  # backend 0 also runs two more requests: fewer running would favour backend 1
+        sent(backends[:1], text(f"running {i}", 1600)).first_byte()
+    sent(backends[:1], text("early", 4000))
+    clock.now_s += 0.2  # 800 of its 1,000 tokens are done by now
+    sent(backends[1:], text("late", 4000))
+    assert policy().choose(backends, request(text("newcomer", 4000))).backend is backends[0]
 
 
 def test_engine_queue_counted_at_scrape_time_forgets_our_requests_finished_since() -> None:

@@ -15,10 +15,12 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   (route `spill`), which holds it from then on. A hot prefix spreads over as many backends as its traffic
   needs.
 - `queued_prefill(b)`: uncached prompt tokens of requests sent to `b` that have not produced a first byte yet
-  (reserved at decision time, so a burst sees its own placements). When `b`'s own `/metrics` are fresher than
-  `signal_max_age_s` and its queue was longer than what we had sent when they were read (traffic from
-  elsewhere), each extra request counts as much as ours do on average. For non-streamed requests the first byte is the whole answer, so this
-  overestimates.
+  (reserved at decision time, so a burst sees its own placements), less what `b` has probably computed of them
+  since, at the prefill rate it has shown (`gateway/backlog.py`): in a burst that keeps every backend busy, a
+  newcomer joins the one about to be free. When `b`'s own `/metrics` are fresher than `signal_max_age_s` and
+  its queue was longer than what we had sent when they were read (traffic from elsewhere), each extra request
+  counts as much as ours do on average. For non-streamed requests the first byte is the whole answer; the
+  learned rate then errs low, so this overestimates rather than herds.
 - `active_tokens(b)`: distinct prompt tokens of the requests running on `b` (a prefix they share counts once),
   the KV memory they pin, weighted by `active_weight` (default 0.15). It is what balances *where long-lived
   work settles*: conversations behind a system prompt held by one backend would otherwise all stay there for
@@ -93,22 +95,23 @@ class PrefixAware:
 
     def cost(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> float:
         uncached = request.uncached_tokens(matched_blocks)
-        cost = (self.queued_prefill(backend, uncached) + self.affinity_weight * uncached
+        now_s = time.monotonic()
+        cost = (self.queued_prefill(backend, uncached, now_s) + self.affinity_weight * uncached
                 + self.active_weight * request.block_tokens(backend.active_blocks)
                 + self.decode_weight_tokens * backend.in_flight)
         if _starts_branch(backend, matched_blocks, request):
             cost += self.held_weight * request.block_tokens(backend.index.size_blocks)
         return cost
 
-    def queued_prefill(self, backend: Backend, uncached: int) -> float:
+    def queued_prefill(self, backend: Backend, uncached: int, now_s: float) -> float:
         """Our own reserved prefill, plus the engine's queue beyond what we sent (traffic from elsewhere), each
         such request assumed to cost what ours cost on average there (or this one, when none of ours waits)."""
-        queued = float(backend.pending_prefill_tokens)
+        queued = backend.queued_prefill_tokens(now_s)
         signals = backend.signals
-        if signals is not None and time.monotonic() - signals.read_at_s <= self.signal_max_age_s:
+        if signals is not None and now_s - signals.read_at_s <= self.signal_max_age_s:
             unknown = signals.queued_requests - signals.ours_prefilling
             if unknown > 0:
-                each = queued / backend.prefilling if backend.prefilling else uncached
+                each = backend.pending_prefill_tokens / backend.prefilling if backend.prefilling else uncached
                 queued += unknown * each
         return queued
 
