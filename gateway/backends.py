@@ -56,10 +56,8 @@ class Backend:
     consecutive_successes: int = 0
     capacity_tokens: int | None = None
     in_flight: int = 0
-    prefilling: int = 0  # requests sent that have not produced a first byte yet
-    pending_prefill_tokens: int = 0  # their reserved uncached prompt tokens
     signals: LoadSignals | None = None
-    backlog: PrefillBacklog = field(default_factory=PrefillBacklog, repr=False)
+    backlog: PrefillBacklog = field(default_factory=PrefillBacklog, repr=False)  # ours, before first byte
     _active_refs: collections.Counter[int] = field(default_factory=collections.Counter, repr=False)
 
     @property
@@ -72,21 +70,23 @@ class Backend:
         by many running requests counts once, as it does in the engine's pool."""
         return len(self._active_refs)
 
-    def queued_prefill_tokens(self, now_s: float) -> float:
-        """Prompt tokens of ours the backend probably still has to prefill (see `backlog.py`)."""
-        return self.backlog.remaining_tokens(self.pending_prefill_tokens, now_s)
+    @property
+    def prefilling(self) -> int:
+        """Requests sent that have not produced a first byte yet."""
+        return self.backlog.requests
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Their reserved uncached prompt tokens."""
+        return self.backlog.reserved_tokens
 
     def reserve(self, prefill_tokens: int, hashes: Sequence[int]) -> None:
-        self.backlog.added(prefill_tokens, self.pending_prefill_tokens, time.monotonic())
+        self.backlog.add(prefill_tokens, time.monotonic())
         self.in_flight += 1
-        self.prefilling += 1
-        self.pending_prefill_tokens += prefill_tokens
         self._active_refs.update(hashes)
 
     def prefill_done(self, prefill_tokens: int) -> None:
-        self.prefilling = max(0, self.prefilling - 1)
-        self.pending_prefill_tokens = max(0, self.pending_prefill_tokens - prefill_tokens)
-        self.backlog.done(prefill_tokens, self.pending_prefill_tokens, self.prefilling, time.monotonic())
+        self.backlog.finish(prefill_tokens, time.monotonic())
 
     def release(self, hashes: Sequence[int]) -> None:
         self.in_flight = max(0, self.in_flight - 1)
@@ -114,7 +114,7 @@ class Backend:
         return {
             "url": self.url, "model": self.model, "engine": self.engine, "healthy": self.healthy,
             "in_flight": self.in_flight, "pending_prefill_tokens": self.pending_prefill_tokens,
-            "queued_prefill_tokens": round(self.queued_prefill_tokens(time.monotonic())),
+            "queued_prefill_tokens": round(self.backlog.remaining_tokens(time.monotonic())),
             "prefill_tokens_per_s": self.backlog.tokens_per_s,
             "active_blocks": self.active_blocks,
             "capacity_tokens": self.capacity_tokens, "index_blocks": self.index.size_blocks,

@@ -1,40 +1,53 @@
-"""How much of the prefill we sent a backend is still ahead of a newcomer: the wait it would queue behind.
+"""The prefill we sent a backend and saw no first byte for: what a newcomer would queue behind there.
 
-The prompt tokens we reserved on a backend and have not seen a first byte for are an upper bound of its
-backlog: part of that work is probably done. A request sent 20 ms ago to a backend that prefills 500 tokens in
-25 ms is almost finished; one sent just now has not started. Counting both at their full size made routing
-blind to the difference: in a burst that kept every backend busy, the newcomer went to whichever had fewer
-running requests, not to the one about to be free (`unique` at light load: p99 TTFT 1.07x round robin's, whose
+Every request reserves its uncached prompt tokens on the backend it is sent to until its first byte arrives
+(the router does it at decision time, so a burst sees its own placements). Counted at full size, though, a
+request sent 20 ms ago to a backend that prefills it in 25 ms weighs as much as one sent just now. Routing was
+then blind to the difference: in a burst that kept every backend busy, the newcomer went to whichever ran
+fewer requests, not to the one about to be free (`unique` at light load: p99 TTFT 1.07x round robin's, whose
 rotation happens to pick the backend served longest ago).
 
-The estimate: the backend works through what we sent one prefill after another, in arrival order (SGLang's
-scheduler runs prefill first, FCFS), at the rate it has shown -- prompt tokens whose first byte arrived over
-the seconds it had work of ours pending. Those seconds include waits for decode steps, per-batch overhead and,
-for non-streamed requests, the whole answer, so the rate errs low and the backlog high. The estimate never
-exceeds the reserved tokens, and it is the reserved tokens until `MIN_SAMPLES` first bytes have taught the
-rate. The rate is a ratio of exponentially weighted sums over about the last `RATE_MEMORY` first bytes, so a
-batched prefill (several first bytes after one long wait) averages out.
+So the oldest pending request -- the one the engine works on (SGLang's scheduler runs prefill first, FCFS) --
+is credited with the progress the backend would have made on it since it started: since its first byte's
+predecessor arrived, or since it was sent to an idle backend, at the rate the backend has shown. The rate is
+prompt tokens whose first byte arrived over the seconds work of ours was pending, a ratio of exponentially
+weighted sums over about the last `RATE_MEMORY` first bytes (a batched prefill, several first bytes after one
+long wait, averages out). Those seconds include decode steps, batch overhead and, for non-streamed requests,
+the whole answer, so the rate errs low and the backlog high. No credit is given until `MIN_SAMPLES` first
+bytes have taught the rate.
+
+Only the oldest request is credited, never the ones behind it: a backend that stops making progress (its KV
+pool full, requests waiting for admission) keeps all but one of them in its backlog however long they wait.
+Crediting the whole queue at the learned rate sent more and more conversations to such a backend under
+overload (`multiturn`: p99 TTFT 0.84 s against 0.14 s).
 """
 
 from __future__ import annotations
 
-# First bytes needed before the learned rate is trusted; until then the backlog is the reserved tokens.
+import collections
+
+# First bytes needed before the learned rate is trusted; until then nothing is credited.
 MIN_SAMPLES = 8
 # About how many recent first bytes the rate is averaged over.
 RATE_MEMORY = 64
 
 
 class PrefillBacklog:
-    """One backend's estimated prefill backlog, in prompt tokens. Times are `time.monotonic()` seconds."""
+    """One backend's pending prefills, in prompt tokens, oldest first. Times are `time.monotonic()` seconds."""
 
     def __init__(self) -> None:
+        self._pending: collections.deque[int] = collections.deque()
+        self.reserved_tokens = 0
         self._keep = 1.0 - 1.0 / RATE_MEMORY   # weight of the past at each new first byte
         self._drained_tokens = 0.0             # decayed sums behind the rate
         self._busy_s = 0.0
         self._samples = 0
-        self._busy_since_s: float | None = None  # last first byte or start of work, while work is pending
-        self._left_tokens = 0.0                # the modelled backlog at `_left_at_s`
-        self._left_at_s = 0.0
+        self._head_since_s = 0.0               # when the oldest pending request got the engine's turn
+
+    @property
+    def requests(self) -> int:
+        """Requests sent that have not produced a first byte yet."""
+        return len(self._pending)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -43,27 +56,27 @@ class PrefillBacklog:
             return None
         return self._drained_tokens / self._busy_s
 
-    def remaining_tokens(self, reserved_tokens: int, now_s: float) -> float:
-        """Tokens still to prefill, given the `reserved_tokens` of ours not yet past their first byte."""
+    def remaining_tokens(self, now_s: float) -> float:
+        """Reserved tokens less the progress the backend has probably made on the oldest request."""
         rate = self.tokens_per_s
-        if rate is None:
-            return float(reserved_tokens)
-        left = self._left_tokens - rate * max(0.0, now_s - self._left_at_s)
-        return min(float(reserved_tokens), max(0.0, left))
+        if rate is None or not self._pending:
+            return float(self.reserved_tokens)
+        return self.reserved_tokens - min(float(self._pending[0]), rate * (now_s - self._head_since_s))
 
-    def added(self, tokens: int, reserved_before: int, now_s: float) -> None:
-        """A request with `tokens` to prefill was sent; `reserved_before` were reserved before it."""
-        self._left_tokens = self.remaining_tokens(reserved_before, now_s) + tokens
-        self._left_at_s = now_s
-        if self._busy_since_s is None:
-            self._busy_since_s = now_s
+    def add(self, tokens: int, now_s: float) -> None:
+        """A request with `tokens` to prefill was sent."""
+        if not self._pending:
+            self._head_since_s = now_s
+        self._pending.append(tokens)
+        self.reserved_tokens += tokens
 
-    def done(self, tokens: int, reserved_after: int, requests_left: int, now_s: float) -> None:
-        """A first byte arrived for a request of `tokens`; `requests_left` still wait for theirs."""
-        if self._busy_since_s is not None:
-            self._drained_tokens = self._drained_tokens * self._keep + tokens
-            self._busy_s = self._busy_s * self._keep + (now_s - self._busy_since_s)
-            self._samples += 1
-        self._busy_since_s = now_s if requests_left else None
-        self._left_tokens = self.remaining_tokens(reserved_after, now_s)
-        self._left_at_s = now_s
+    def finish(self, tokens: int, now_s: float) -> None:
+        """The first byte of a request sent with `tokens` arrived (or it ended without one)."""
+        if tokens not in self._pending:
+            return
+        self._pending.remove(tokens)  # the oldest of that size: first bytes mostly come in sending order
+        self.reserved_tokens -= tokens
+        self._drained_tokens = self._drained_tokens * self._keep + tokens
+        self._busy_s = self._busy_s * self._keep + (now_s - self._head_since_s)
+        self._samples += 1
+        self._head_since_s = now_s

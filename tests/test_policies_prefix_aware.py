@@ -60,9 +60,9 @@ def test_hot_prefix_spills_when_its_owner_saturates_and_stays_otherwise() -> Non
     hot = text("hot tenant prompt", 6000)
     backends[0].index.insert(request(hot).hashes)
     chooser = policy()
-    backends[0].pending_prefill_tokens = 3000  # under 4x the 1,500 tokens it saves: sticky
+    backends[0].backlog.add(3000, time.monotonic())  # queued: under 4x the 1,500 tokens it saves, sticky
     assert chooser.choose(backends, request(hot + "q1")).backend is backends[0]
-    backends[0].pending_prefill_tokens = 9000  # saturated: replicate elsewhere
+    backends[0].backlog.add(6000, time.monotonic())  # saturated: replicate elsewhere
     spilled = chooser.choose(backends, request(hot + "q2"))
     assert spilled.backend is not backends[0] and spilled.route is Route.SPILL
     spilled.backend.index.insert(request(hot + "q2").hashes)

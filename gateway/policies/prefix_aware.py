@@ -106,7 +106,7 @@ class PrefixAware:
     def queued_prefill(self, backend: Backend, uncached: int, now_s: float) -> float:
         """Our own reserved prefill, plus the engine's queue beyond what we sent (traffic from elsewhere), each
         such request assumed to cost what ours cost on average there (or this one, when none of ours waits)."""
-        queued = backend.queued_prefill_tokens(now_s)
+        queued = backend.backlog.remaining_tokens(now_s)
         signals = backend.signals
         if signals is not None and now_s - signals.read_at_s <= self.signal_max_age_s:
             unknown = signals.queued_requests - signals.ours_prefilling
