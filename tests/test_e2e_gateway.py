@@ -122,6 +122,8 @@ def test_operational_endpoints(llm_fleet: tuple[Fleet, str, list[str]]) -> None:
     assert described["policy"] == "prefix_aware"
     assert [b["url"] for b in described["backends"]] == replicas
     assert all(b["healthy"] and b["model"] == "sim-llama-8b" and b["capacity_tokens"] for b in described["backends"])
+    # The index models 85% of the engine's KV pool (--index-kv-share); 64-character blocks of 4-character tokens.
+    assert all(b["index_capacity_blocks"] == int(b["capacity_tokens"] * 0.85 * 4) // 64 for b in described["backends"])
     assert [m["id"] for m in httpx2.get(gateway + "/v1/models", trust_env=False).json()["data"]] == ["sim-llama-8b"]
     missing = httpx2.get(gateway + "/v2/nothing", trust_env=False)
     assert missing.status_code == 404 and "error" in missing.json()
