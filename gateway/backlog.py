@@ -8,8 +8,8 @@ fewer requests, not to the one about to be free (`unique` at light load: p99 TTF
 rotation happens to pick the backend served longest ago).
 
 So the oldest pending request -- the one the engine works on (SGLang's scheduler runs prefill first, FCFS) --
-is credited with the progress the backend would have made on it since it started: since its first byte's
-predecessor arrived, or since it was sent to an idle backend, at the rate the backend has shown. The rate is
+is credited with the progress the backend would have made on it since it started (since the first byte of the
+request before it arrived, or since it was sent to an idle backend) at the rate the backend has shown. The rate is
 prompt tokens whose first byte arrived over the seconds work of ours was pending, a ratio of exponentially
 weighted sums over about the last `RATE_MEMORY` first bytes (a batched prefill, several first bytes after one
 long wait, averages out). Those seconds include decode steps, batch overhead and, for non-streamed requests,
@@ -19,7 +19,7 @@ bytes have taught the rate.
 Only the oldest request is credited, never the ones behind it: a backend that stops making progress (its KV
 pool full, requests waiting for admission) keeps all but one of them in its backlog however long they wait.
 Crediting the whole queue at the learned rate sent more and more conversations to such a backend under
-overload (`multiturn`: p99 TTFT 0.84 s against 0.14 s).
+overload (`multiturn`: p99 TTFT 0.84 s, against round robin's 0.66 s).
 """
 
 from __future__ import annotations

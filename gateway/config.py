@@ -159,8 +159,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("metrics_max_age_secs", "routing", "metrics_max_age_s", _at_least(0.0, _float),
            "seconds after which a backend's scraped load metrics are ignored as stale"),
     Option("max_tree_size", "", "max_tree_size", _at_least(64, _int),
-           "upper bound of each backend's prefix index, in characters; the index is also bounded by the "
-           "backend's reported KV capacity"),
+           "upper bound of each backend's prefix index, in characters; the index is also bounded by "
+           "--index-kv-share of the backend's reported KV capacity"),
     Option("index_kv_share", "", "index_kv_share", _fraction,
            "share of a backend's reported KV capacity that its prefix index may hold: the engine keeps the rest "
            "for running requests, and predicting a hit it already evicted costs more than missing one", "SHARE"),

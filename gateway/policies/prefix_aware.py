@@ -15,9 +15,9 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   (route `spill`), which holds it from then on. A hot prefix spreads over as many backends as its traffic
   needs.
 - `queued_prefill(b)`: uncached prompt tokens of requests sent to `b` that have not produced a first byte yet
-  (reserved at decision time, so a burst sees its own placements), less what `b` has probably computed of them
-  since, at the prefill rate it has shown (`gateway/backlog.py`): in a burst that keeps every backend busy, a
-  newcomer joins the one about to be free. When `b`'s own `/metrics` are fresher than `signal_max_age_s` and
+  (reserved at decision time, so a burst sees its own placements), less the progress `b` has probably made on
+  the oldest of them at the prefill rate it has shown (`gateway/backlog.py`): in a burst that keeps every
+  backend busy, a newcomer joins the one about to be free. When `b`'s own `/metrics` are fresher than `signal_max_age_s` and
   its queue was longer than what we had sent when they were read (traffic from elsewhere), each extra request
   counts as much as ours do on average. For non-streamed requests the first byte is the whole answer; the
   learned rate then errs low, so this overestimates rather than herds.
