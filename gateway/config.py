@@ -40,7 +40,6 @@ class GatewayConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     rewrite: RewriteConfig = field(default_factory=RewriteConfig)
     max_tree_size: int = 67_108_864  # characters per backend index, as sglang-router
-    index_kv_share: float = 0.85  # of a backend's reported KV capacity, what its prefix index may hold
     eviction_interval_s: float = 60.0
     metrics_interval_s: float = 0.5
     request_timeout_s: float = 1800.0
@@ -161,9 +160,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_tree_size", "", "max_tree_size", _at_least(64, _int),
            "upper bound of each backend's prefix index, in characters; the index is also bounded by "
            "--index-kv-share of the backend's reported KV capacity"),
-    Option("index_kv_share", "", "index_kv_share", _fraction,
-           "share of a backend's reported KV capacity that its prefix index may hold: the engine keeps the rest "
-           "for running requests, and predicting a hit it already evicted costs more than missing one", "SHARE"),
+    Option("index_kv_share", "routing", "index_kv_share", _fraction,
+           "prefix_aware: share of a backend's reported KV capacity that its prefix index may hold: the engine "
+           "keeps the rest for running requests, and predicting a hit it already evicted costs more than missing "
+           "one (other policies model the whole pool, so cache_aware stays sglang-router's baseline)", "SHARE"),
     Option("eviction_interval_secs", "", "eviction_interval_s", _at_least(0.0, _float),
            "accepted for sglang-router compatibility; the index evicts on insert, so it never exceeds its bound"),
     Option("metrics_scrape_interval_secs", "", "metrics_interval_s", _at_least(0.0, _float),

@@ -108,7 +108,7 @@ class Upkeep:
         routing = self.config.routing
         bound_chars = self.config.max_tree_size
         if backend.capacity_tokens:
-            held_tokens = backend.capacity_tokens * self.config.index_kv_share
+            held_tokens = backend.capacity_tokens * routing.index_share
             bound_chars = min(bound_chars, int(held_tokens * routing.chars_per_token))
         backend.index.capacity_blocks = max(1, bound_chars // routing.block_chars)
 

@@ -34,6 +34,14 @@ class RoutingConfig:
     active_weight: float = 0.15
     held_weight: float = 0.15
     metrics_max_age_s: float = 2.0
+    index_kv_share: float = 0.85
+
+    @property
+    def index_share(self) -> float:
+        """Share of a backend's KV capacity its prefix index models. prefix_aware leaves the engine room for
+        running requests (see --index-kv-share); the other policies model the whole pool, as they always did,
+        so that cache_aware stays the baseline it is measured as."""
+        return self.index_kv_share if self.policy is PolicyName.PREFIX_AWARE else 1.0
 
 
 def make_policy(config: RoutingConfig) -> Policy:

@@ -23,6 +23,9 @@ def test_sglang_router_defaults_and_no_config_file_needed() -> None:
     assert (routing.policy, routing.cache_threshold, routing.balance_abs_threshold, routing.balance_rel_threshold) \
         == (PolicyName.PREFIX_AWARE, 0.3, 64, 1.5)
     assert config.max_tree_size == 67_108_864
+    assert routing.index_share == 0.85  # prefix_aware leaves the engine room for running requests
+    baseline = parse("--backend", "http://127.0.0.1:1", "--policy", "cache_aware").routing
+    assert baseline.index_share == 1.0  # cache_aware models the whole pool, as it always did
 
 
 def test_flags_win_over_the_file(tmp_path: Path) -> None:
