@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
 import httpx2
@@ -51,6 +51,7 @@ class Process:
     urls: list[str]
     popen: subprocess.Popen[bytes]
     log_path: str
+    killed: bool = False  # by kill(): a crash we caused, not one to keep the log of
 
     @property
     def url(self) -> str:
@@ -61,6 +62,7 @@ class Process:
 
     def kill(self) -> None:
         """Crash the process at once (SIGKILL), as a failing replica would."""
+        self.killed = True
         self._signal(signal.SIGKILL)
         self.popen.wait(timeout=10)
 
@@ -72,6 +74,10 @@ class Process:
             self.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
+
+    def remove_log(self) -> None:
+        with suppress(OSError):
+            os.remove(self.log_path)
 
     def log_tail(self, max_chars: int = 3000) -> str:
         try:
@@ -106,8 +112,12 @@ def start_process(
     process = Process(name, list(urls), popen, log.name)
     try:
         wait_ready(process, [url + ready_path for url in urls], timeout_s)
-    except BaseException:
+    except FleetError:
+        process.stop()  # its log stays: the error names it
+        raise
+    except BaseException:  # interrupted while waiting
         process.stop()
+        process.remove_log()
         raise
     return process
 
@@ -118,10 +128,11 @@ def wait_ready(process: Process, ready_urls: Sequence[str], timeout_s: float) ->
     with httpx2.Client(trust_env=False, timeout=2.0) as client:
         while pending:
             if not process.alive():
-                raise FleetError(f"{process.name} exited with {process.popen.returncode}:\n{process.log_tail()}")
-            if time.monotonic() > deadline:
-                raise FleetError(f"{process.name} not ready after {timeout_s:.0f} s at {pending[0]}:\n"
+                raise FleetError(f"{process.name} exited with {process.popen.returncode} ({process.log_path}):\n"
                                  f"{process.log_tail()}")
+            if time.monotonic() > deadline:
+                raise FleetError(f"{process.name} not ready after {timeout_s:.0f} s at {pending[0]} "
+                                 f"({process.log_path}):\n{process.log_tail()}")
             try:
                 if client.get(pending[0]).status_code == 200:
                     pending.pop(0)
@@ -177,16 +188,27 @@ class Fleet:
         self.processes.append(process)
         return process
 
-    def stop(self) -> None:
+    def stop(self, keep_logs: bool = False) -> None:
+        """Stop every process. A log is kept (and its path printed) when its process had died on its own or
+        `keep_logs` is set; the others are removed, so that runs do not fill the temporary directory."""
         for process in reversed(self.processes):
+            died = not process.alive() and not process.killed
             process.stop()
+            if died or keep_logs:
+                print(f"{process.name} log kept: {process.log_path}", file=sys.stderr)
+            else:
+                process.remove_log()
         self.processes.clear()
 
 
 @contextmanager
 def running_fleet() -> Iterator[Fleet]:
+    """A fleet stopped on leaving; when leaving on an error (not an interrupt), every log is kept."""
     fleet = Fleet()
     try:
         yield fleet
+    except Exception:
+        fleet.stop(keep_logs=True)
+        raise
     finally:
-        fleet.stop()
+        fleet.stop()  # nothing left to stop after the error path

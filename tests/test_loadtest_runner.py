@@ -99,6 +99,21 @@ def test_mixed_models_route_embeddings_to_the_embedding_pool() -> None:
     assert not {r.replica for r in embeddings} & set(outcome.summary.requests_per_replica)
 
 
+def test_a_clean_run_removes_its_logs_and_a_failed_one_keeps_them() -> None:
+    from loadtest.fleet import running_fleet
+
+    with running_fleet() as fleet:
+        clean = Path(fleet.start_replica(args=["--time-scale", "0"]).log_path)
+        assert clean.exists()
+    assert not clean.exists()
+
+    with pytest.raises(RuntimeError), running_fleet() as fleet:
+        failed = Path(fleet.start_replica(args=["--time-scale", "0"]).log_path)
+        raise RuntimeError("the run failed")
+    assert failed.exists()
+    failed.unlink()
+
+
 def _children(pid: int) -> set[int]:
     """Processes whose parent is `pid`, from /proc."""
     found = set()
