@@ -17,10 +17,10 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
 - `queued_prefill(b)`: uncached prompt tokens of requests sent to `b` that have not produced a first byte yet
   (reserved at decision time, so a burst sees its own placements), less the progress `b` has probably made on
   the oldest of them at the prefill rate it has shown (`gateway/backlog.py`): in a burst that keeps every
-  backend busy, a newcomer joins the one about to be free. When `b`'s own `/metrics` are fresher than `signal_max_age_s` and
-  its queue was longer than what we had sent when they were read (traffic from elsewhere), each extra request
-  counts as much as ours do on average. For non-streamed requests the first byte is the whole answer; the
-  learned rate then errs low, so this overestimates rather than herds.
+  backend busy, a newcomer joins the one about to be free. When `b`'s own `/metrics` are fresher than
+  `signal_max_age_s` and its queue was longer than what we had sent when they were read (traffic from
+  elsewhere), each extra request counts as much as ours do on average. For non-streamed requests the first byte
+  is the whole answer; the learned rate then errs low, so this overestimates rather than herds.
 - `active_tokens(b)`: distinct prompt tokens of the requests running on `b` (a prefix they share counts once),
   the KV memory they pin, weighted by `active_weight` (default 0.15). It is what balances *where long-lived
   work settles*: conversations behind a system prompt held by one backend would otherwise all stay there for
@@ -124,8 +124,8 @@ class PrefixAware:
 
     def _not_saturated(self, backends: Sequence[Backend]) -> list[Backend]:
         low = min(backend.in_flight for backend in backends)
-        return [b for b in backends
-                if not (b.in_flight - low > self.balance_abs_threshold and b.in_flight > low * self.balance_rel_threshold)]
+        return [b for b in backends if not (b.in_flight - low > self.balance_abs_threshold
+                                            and b.in_flight > low * self.balance_rel_threshold)]
 
 
 def _starts_branch(backend: Backend, matched_blocks: int, request: RoutingRequest) -> bool:
