@@ -13,8 +13,9 @@ request before it arrived, or since it was sent to an idle backend) at the rate 
 prompt tokens whose first byte arrived over the seconds work of ours was pending, a ratio of exponentially
 weighted sums over about the last `RATE_MEMORY` first bytes (a batched prefill, several first bytes after one
 long wait, averages out). Those seconds include decode steps, batch overhead and, for non-streamed requests,
-the whole answer, so the rate errs low and the backlog high. No credit is given until `MIN_SAMPLES` first
-bytes have taught the rate.
+the whole answer, so the rate errs low and the backlog high. A request that ends without a first byte (a
+broken connection, a timeout, a client that left) is released without teaching anything. No credit is given
+until `MIN_SAMPLES` first bytes have taught the rate.
 
 Only the oldest request is credited, never the ones behind it: a backend that stops making progress (its KV
 pool full, requests waiting for admission) keeps all but one of them in its backlog however long they wait.
@@ -71,12 +72,23 @@ class PrefillBacklog:
         self.reserved_tokens += tokens
 
     def finish(self, tokens: int, now_s: float) -> None:
-        """The first byte of a request sent with `tokens` arrived (or it ended without one)."""
+        """The first byte of a request sent with `tokens` arrived: it teaches the rate."""
+        if self._remove(tokens):
+            self._drained_tokens = self._drained_tokens * self._keep + tokens
+            self._busy_s = self._busy_s * self._keep + (now_s - self._head_since_s)
+            self._samples += 1
+            self._head_since_s = now_s
+
+    def drop(self, tokens: int, now_s: float) -> None:
+        """A request sent with `tokens` ended without a first byte (failed, timed out, abandoned): released, but
+        not learned from. When it was the oldest, the next one in line gets the engine's turn now."""
+        if self._pending and self._pending[0] == tokens:
+            self._head_since_s = now_s
+        self._remove(tokens)
+
+    def _remove(self, tokens: int) -> bool:
         if tokens not in self._pending:
-            return
+            return False
         self._pending.remove(tokens)  # the oldest of that size: first bytes mostly come in sending order
         self.reserved_tokens -= tokens
-        self._drained_tokens = self._drained_tokens * self._keep + tokens
-        self._busy_s = self._busy_s * self._keep + (now_s - self._head_since_s)
-        self._samples += 1
-        self._head_since_s = now_s
+        return True

@@ -59,3 +59,14 @@ def test_a_batch_finishing_at_once_averages_into_the_rate() -> None:
         for _ in range(3):
             backlog.finish(1000, round_s * 10 + 1.0)
     assert backlog.tokens_per_s == pytest.approx(3000, rel=0.05)  # the decay weighs the last sample a little more
+
+
+def test_a_request_that_failed_before_its_first_byte_is_released_without_teaching_the_rate() -> None:
+    backlog, now_s = taught(tokens_per_s=4000)
+    backlog.add(2000, now_s)
+    backlog.add(1000, now_s)
+    backlog.drop(2000, now_s + 0.001)  # a broken connection: its 1 ms says nothing about prefill speed
+    assert backlog.tokens_per_s == pytest.approx(4000)
+    assert backlog.reserved_tokens == 1000 and backlog.requests == 1
+    # The one behind it got the engine's turn when the failed one left: 0.1 s later, 400 tokens are done.
+    assert backlog.remaining_tokens(now_s + 0.101) == pytest.approx(600)

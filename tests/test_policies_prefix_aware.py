@@ -195,6 +195,7 @@ def teach_prefill_rate(backend: Backend, clock: FakeClock, tokens_per_s: float) 
     while backend.backlog.tokens_per_s is None:
         placement = sent([backend], text("warm-up", 4000))
         clock.now_s += placement.prefill_tokens / tokens_per_s
+        placement.first_byte()
         placement.finish()
 
 
