@@ -4,8 +4,10 @@
     exchange = rewrite(exchange)                     # volatile IDs moved off the prompt prefix (rewrite.py)
     routing = router.routing_request(text)           # chained block hashes of the prompt (hashing.py)
     placement = router.place(model, routing)         # healthy backends filtered, policy picks, load reserved
-    upstream = await send_upstream(...)              # forwarded as-is; unreachable -> next backend
+    upstream = await forward(...)                    # sent as-is; failed before answering -> sent again
     return RelayResponse(upstream, on_done=record)   # relayed chunk by chunk; usage read at the end
+
+A client that leaves stops the exchange at any point, and every way a request ends releases its placement.
 
 `create_app(config)` builds every part and hands it in; the lifespan starts the health checks and closes the
 shared HTTP client. Errors of any step are `GatewayError`s, turned into OpenAI's error shape in one handler.
@@ -13,6 +15,7 @@ shared HTTP client. Errors of any step are `GatewayError`s, turned into OpenAI's
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -30,16 +33,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.backends import Pool
+from gateway.backends import Backend, Pool
 from gateway.config import GatewayConfig
-from gateway.errors import BadRequest, GatewayError, PayloadTooLarge
+from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, UpstreamTimeout
 from gateway.health import Upkeep
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import Endpoint, routing_text, validate_body
 from gateway.rewrite import Rewriter, enabled_for
+from gateway.policies import RoutingRequest
 from gateway.router import Placement, Router
 from gateway.upstream import (Outcome, RelayResponse, broken, create_client, forwarded_headers, is_retryable,
-                              log_ignored_proxy_environment, send_upstream)
+                              log_ignored_proxy_environment, send_upstream, unless_client_leaves)
 from gateway.usage import Usage
 
 logger = logging.getLogger(__name__)
@@ -83,22 +87,14 @@ class Gateway:
         exchange = await self.parse(request, GENERATION_PATHS[request.url.path])
         exchange = self.rewrite(exchange, opted_out=not enabled_for(request.headers))
         routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body))
-        tried: list[Placement] = []
-        while True:
-            placement = self.router.place(exchange.model, routing, exclude=[p.backend for p in tried])
-            tried.append(placement)
-            try:
-                upstream = await send_upstream(self.client, placement, exchange.path, exchange.raw,
-                                               forwarded_headers(request.headers, exchange.request_id))
-            except httpx2.TransportError as exc:
-                self.unreachable(placement, exchange, exc, retry=len(tried) <= self.config.max_retries)
-                continue
-            except GatewayError:
-                self.finish(placement, exchange, Outcome(status=504, error="timeout"))
-                raise
-            return RelayResponse(upstream, self.response_headers(exchange, placement), exchange.streaming,
-                                 placement.first_byte, lambda outcome: self.record(placement, exchange, outcome),
-                                 exchange.started_s)
+        headers = forwarded_headers(request.headers.raw, exchange.request_id)
+        opened = await unless_client_leaves(request.receive, self.forward(exchange, routing, headers))
+        if opened is None:
+            return Response(status_code=499)  # nobody is listening; the record step has counted it
+        placement, upstream = opened
+        return RelayResponse(upstream, self.response_headers(exchange, placement), exchange.streaming,
+                             placement.first_byte, lambda outcome: self.record(placement, exchange, outcome),
+                             placement.placed_s)
 
     async def parse(self, request: Request, endpoint: Endpoint) -> Exchange:
         raw = await self.read_body(request)
@@ -134,15 +130,44 @@ class Gateway:
         raw = json.dumps(result.body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         return replace(exchange, body=result.body, raw=raw, rewritten_spans=result.moved)
 
-    def unreachable(self, placement: Placement, exchange: Exchange, exc: httpx2.TransportError, retry: bool) -> None:
-        """The backend could not be reached before it sent anything: take it out, try the next one."""
-        self.finish(placement, exchange, Outcome(status=502, error="unreachable"))
+    async def forward(self, exchange: Exchange, routing: RoutingRequest, headers: list[tuple[bytes, bytes]]
+                      ) -> tuple[Placement, httpx2.Response]:
+        """Place the request and open the exchange; one that fails before any answer byte is sent again, up to
+        `max_retries` times. Whatever way it fails, the placement is released and the outcome recorded."""
+        failed: list[Backend] = []
+        while True:
+            placement = self.router.place(exchange.model, routing, avoid=failed)
+            try:
+                return placement, await send_upstream(self.client, placement.backend.url + exchange.path,
+                                                      exchange.raw, headers)
+            except httpx2.TransportError as exc:
+                if not self.attempt_failed(placement, exchange, exc, len(failed)):
+                    raise broken(exc) from exc
+                failed.append(placement.backend)
+            except UpstreamTimeout:
+                self.finish(placement, exchange, Outcome(status=504, error="timeout"))
+                raise
+            except BaseException as exc:  # the client left (we were cancelled), or a bug
+                gone = isinstance(exc, asyncio.CancelledError)
+                self.finish(placement, exchange, Outcome(status=499 if gone else 500,
+                                                         error="client_disconnect" if gone else "internal"))
+                raise
+
+    def attempt_failed(self, placement: Placement, exchange: Exchange, exc: httpx2.TransportError,
+                       failures_before: int) -> bool:
+        """Whether to send the request again. A retried attempt counts as its backend's error, not as the
+        request's outcome: the client sees only the retry's."""
+        backend = placement.backend
         if isinstance(exc, httpx2.ConnectError):
-            placement.backend.mark_down(f"connection failed: {exc}")
-        if not (retry and is_retryable(exc)):
-            raise broken(exc) from exc
-        logger.warning("backend %s unreachable (%s); retrying request %s elsewhere", placement.backend.url,
+            backend.mark_down(f"connection failed: {exc}")
+        if not (failures_before < self.config.max_retries and is_retryable(exc) and self.pool.serving(exchange.model)):
+            self.finish(placement, exchange, Outcome(status=502, error="unreachable"))
+            return False
+        placement.finish()
+        self.metrics.upstream_errors.labels(backend.url, "unreachable").inc()
+        logger.warning("backend %s failed before answering (%s); sending request %s again", backend.url,
                        exc.__class__.__name__, exchange.request_id)
+        return True
 
     def response_headers(self, exchange: Exchange, placement: Placement) -> dict[str, str]:
         return {"x-request-id": exchange.request_id, "x-gateway-backend": placement.backend.url,
@@ -162,9 +187,10 @@ class Gateway:
         backend, endpoint = placement.backend.url, exchange.endpoint.value
         status = "499" if outcome.error == "client_disconnect" else str(outcome.status)
         route = placement.decision.route.value
-        duration_s = time.monotonic() - exchange.started_s
+        now_s = time.monotonic()
+        duration_s = now_s - exchange.started_s
         self.metrics.requests.labels(endpoint, exchange.model, backend, route, status).inc()
-        self.metrics.upstream_latency.labels(endpoint, backend).observe(duration_s)
+        self.metrics.upstream_latency.labels(endpoint, backend).observe(now_s - placement.placed_s)
         if outcome.ttfb_s is not None:
             self.metrics.upstream_ttfb.labels(endpoint, backend).observe(outcome.ttfb_s)
         self.metrics.prefix_match.labels(exchange.model, route).observe(placement.match_fraction)

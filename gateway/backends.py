@@ -88,6 +88,9 @@ class Backend:
     def prefill_done(self, prefill_tokens: int) -> None:
         self.backlog.finish(prefill_tokens, time.monotonic())
 
+    def prefill_dropped(self, prefill_tokens: int) -> None:
+        self.backlog.drop(prefill_tokens, time.monotonic())
+
     def release(self, hashes: Sequence[int]) -> None:
         self.in_flight = max(0, self.in_flight - 1)
         self._active_refs.subtract(hashes)
@@ -152,9 +155,14 @@ class Pool:
             raise NoHealthyBackend("No backend has answered yet, so no model is known.", self._retry_after_s)
         raise BadRequest(f"'model' is required: this gateway serves {', '.join(known)}.", param="model")
 
-    def candidates(self, model: str, exclude: Iterable[Backend] = ()) -> list[Backend]:
+    def serving(self, model: str, exclude: Iterable[Backend] = ()) -> list[Backend]:
+        """The healthy backends of `model`, less `exclude`."""
         excluded = set(exclude)
-        found = [b for b in self.backends if b.healthy and b.model == model and b not in excluded]
+        return [b for b in self.backends if b.healthy and b.model == model and b not in excluded]
+
+    def candidates(self, model: str, exclude: Iterable[Backend] = ()) -> list[Backend]:
+        """As `serving`, but raises NoHealthyBackend rather than return none."""
+        found = self.serving(model, exclude)
         if not found:
             raise NoHealthyBackend(f"No healthy backend serves the model '{model}'.", self._retry_after_s)
         return found

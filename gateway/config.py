@@ -181,7 +181,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("connect_timeout_secs", "", "connect_timeout_s", _at_least(0.1, _float),
            "seconds to open a connection to a backend before trying another"),
     Option("max_retries", "", "max_retries", _at_least(0, _int),
-           "other backends tried when one cannot be reached before it sent anything"),
+           "times a request is sent again when its connection failed before any answer byte (to another "
+           "backend when there is one)"),
     Option("max_body_bytes", "", "max_body_bytes", _at_least(1024, _int),
            "largest request body accepted, in bytes (413 above)"),
     Option("default_model", "", "default_model", _str,

@@ -7,7 +7,8 @@ every peer learned this). A `Placement` releases what it reserved exactly once, 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.backends import Backend, Pool
@@ -71,6 +72,7 @@ class Placement:
         self.prefill_tokens = request.uncached_tokens(decision.matched_blocks)
         self._prefilling = True
         self._finished = False
+        self.placed_s = time.monotonic()
         decision.backend.reserve(self.prefill_tokens, request.hashes)
 
     @property
@@ -100,9 +102,13 @@ class Placement:
         return forgotten > 0
 
     def finish(self) -> None:
+        """Release what was reserved. Without a first byte (failed, timed out, abandoned) the request's time says
+        nothing about the backend's prefill rate, so its prefill is dropped, not learned from."""
         if not self._finished:
             self._finished = True
-            self.first_byte()
+            if self._prefilling:
+                self._prefilling = False
+                self.backend.prefill_dropped(self.prefill_tokens)
             self.backend.release(self.request.hashes)
 
 
@@ -120,8 +126,10 @@ class Router:
     def resolve_model(self, requested: str | None) -> str:
         return self.pool.resolve_model(requested, self.default_model)
 
-    def place(self, model: str, request: RoutingRequest, exclude: Iterable[Backend] = ()) -> Placement:
-        """Choose a backend for `request` and reserve it; raises NoHealthyBackend when none is left."""
-        decision = self.policy.choose(self.pool.candidates(model, exclude), request)
+    def place(self, model: str, request: RoutingRequest, avoid: Sequence[Backend] = ()) -> Placement:
+        """Choose a backend for `request`, not one in `avoid` unless no other is left, and reserve it; raises
+        NoHealthyBackend when none is healthy."""
+        candidates = self.pool.serving(model, exclude=avoid) or self.pool.candidates(model)
+        decision = self.policy.choose(candidates, request)
         decision.backend.index.insert(request.hashes)
         return Placement(decision, request)

@@ -10,28 +10,32 @@ connection each time a request starts or ends, so its cost grows with the square
 overload (a few hundred streams) that was 46% of the gateway's CPU, and the event loop's lag raised p99 TTFT
 from 0.09 s to 0.7-0.8 s. httpx2's pool is linear; the API is the same.
 
-httpx2's exceptions are translated here, at this one boundary, into the gateway's own (`errors.py`). A backend
-that cannot be reached before it sent anything is marked down and the request goes to another one; a timeout
-is not retried (the backend may still be working on it) and becomes 504.
+httpx2's exceptions are translated here, at this one boundary, into the gateway's own (`errors.py`). A request
+that failed before any answer byte is sent again, to another backend if there is one (a refused connection marks
+its backend down); the same backend takes it when it is the only one left, since such a failure is mostly a
+pooled keep-alive connection the engine had closed (llama.cpp does after streams). A timeout is not retried
+(the backend may still be working on it) and becomes 504.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import anyio
 import httpx2
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from gateway.errors import UpstreamError, UpstreamTimeout
-from gateway.router import Placement
 from gateway.usage import Usage, UsageTap
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -55,15 +59,17 @@ def log_ignored_proxy_environment(environ: Mapping[str, str]) -> None:
                     ", ".join(found))
 
 
-def forwarded_headers(headers: Mapping[str, str], request_id: str) -> dict[str, str]:
-    kept = {name: value for name, value in headers.items() if name.lower() not in _NOT_FORWARDED}
-    kept["x-request-id"] = request_id
-    return kept
+def forwarded_headers(raw: Sequence[tuple[bytes, bytes]], request_id: str) -> list[tuple[bytes, bytes]]:
+    """The client's headers as the bytes it sent (a UTF-8 value must pass, not fail to re-encode), less the
+    hop-by-hop ones, with our request id."""
+    kept = [(name, value) for name, value in raw if name.lower().decode("latin-1") not in _NOT_FORWARDED
+            and name.lower() != b"x-request-id"]
+    return [*kept, (b"x-request-id", request_id.encode("latin-1"))]
 
 
 def relayed_headers(headers: httpx2.Headers) -> list[tuple[bytes, bytes]]:
-    return [(name.lower().encode("latin-1"), value.encode("latin-1"))
-            for name, value in headers.items() if name.lower() not in _NOT_RELAYED]
+    return [(name.lower(), value) for name, value in headers.raw
+            if name.lower().decode("latin-1") not in _NOT_RELAYED]
 
 
 @dataclass
@@ -76,10 +82,10 @@ class Outcome:
     ttfb_s: float | None = None
 
 
-async def send_upstream(client: httpx2.AsyncClient, placement: Placement, path: str, body: bytes,
-                        headers: Mapping[str, str]) -> httpx2.Response:
+async def send_upstream(client: httpx2.AsyncClient, url: str, body: bytes,
+                        headers: Sequence[tuple[bytes, bytes]]) -> httpx2.Response:
     """Open the exchange; raises UpstreamTimeout, or httpx2.TransportError when it may be retried elsewhere."""
-    request = client.build_request("POST", placement.backend.url + path, content=body, headers=dict(headers))
+    request = client.build_request("POST", url, content=body, headers=list(headers))
     try:
         return await client.send(request, stream=True)
     except httpx2.TimeoutException as exc:
@@ -89,8 +95,31 @@ async def send_upstream(client: httpx2.AsyncClient, placement: Placement, path: 
                               code="upstream_timeout") from exc
 
 
+async def unless_client_leaves(receive: Receive, opening: Coroutine[Any, Any, T]) -> T | None:
+    """Await `opening`, or cancel it and return None as soon as the client disconnects.
+
+    SGLang and vLLM send a non-streamed answer's headers only when it is complete. A client that gives up
+    before then (SDKs time out, then retry) must not leave the engine generating for nobody: cancelling closes
+    our upstream connection, and the engine aborts the request when it sees that."""
+    opened = asyncio.ensure_future(opening)
+    left = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((opened, left), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not opened.done():
+            opened.cancel()
+            await asyncio.gather(opened, return_exceptions=True)  # let it release what it holds
+    return None if opened.cancelled() else opened.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 def is_retryable(exc: httpx2.TransportError) -> bool:
-    """Errors raised before any response byte arrived; the request can go to another backend."""
+    """Errors raised before any response byte arrived; the request can be sent again."""
     return isinstance(exc, (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout, httpx2.RemoteProtocolError,
                             httpx2.ReadError, httpx2.WriteError))
 
@@ -161,10 +190,7 @@ class RelayResponse:
             await send({"type": "http.response.body", "body": event, "more_body": True})
 
     async def _cancel_on_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
-        while True:
-            message: Message = await receive()
-            if message["type"] == "http.disconnect":
-                if not self.upstream_finished:
-                    self.outcome.error = self.outcome.error or "client_disconnect"
-                scope.cancel()
-                return
+        await _disconnected(receive)
+        if not self.upstream_finished:
+            self.outcome.error = self.outcome.error or "client_disconnect"
+        scope.cancel()

@@ -121,7 +121,8 @@ class _Replica:
         if stream:
             return DroppingEventStream(self._openai_events(gen, rid, include_usage, chat=True),
                                        self.faults.settings.drop_after_chunks)
-        await self._collect(gen)
+        if not await self._collect([gen], request):
+            return Response(status_code=499)  # nobody to answer
         message = {"role": "assistant", "content": "".join(gen.output)}
         return JSONResponse({**self._head(rid, "chat.completion"), "usage": usage_of(gen), "choices": [
             {"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}]})
@@ -139,8 +140,8 @@ class _Replica:
         if stream:
             return DroppingEventStream(self._openai_events(gens[0], rid, include_usage, chat=False),
                                    self.faults.settings.drop_after_chunks)
-        for gen in gens:
-            await self._collect(gen)
+        if not await self._collect(gens, request):
+            return Response(status_code=499)  # nobody to answer
         usage = {key: sum(usage_of(gen)[key] for gen in gens) for key in ("prompt_tokens", "completion_tokens")}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         usage["prompt_tokens_details"] = {"cached_tokens": sum(gen.cached_tokens for gen in gens)}
@@ -164,8 +165,8 @@ class _Replica:
         if stream:
             return DroppingEventStream(self._generate_events(gens[0], rid, started),
                                        self.faults.settings.drop_after_chunks)
-        for gen in gens:
-            await self._collect(gen)
+        if not await self._collect(gens, request):
+            return Response(status_code=499)  # nobody to answer
         results = [{"text": "".join(gen.output), "meta_info": self._meta(gen, rid, started)} for gen in gens]
         return JSONResponse(results if batched else results[0])
 
@@ -179,9 +180,10 @@ class _Replica:
             raise ApiError(400, f"encoding_format must be 'float' or 'base64', got {encoding!r}", "encoding_format")
         dim = body_field(body, "dimensions", int, self.config.embedding_dim)
         gens = await self._admit(prompts, 0)  # prefill only: an embedding costs one forward pass
+        if not await self._collect(gens, request):
+            return Response(status_code=499)  # nobody to answer
         data = []
         for index, gen in enumerate(gens):
-            await self._collect(gen)
             vector = embedding_vector(gen.prompt_tokens, dim)
             # The OpenAI SDK asks for base64 by default: little-endian float32, as OpenAI sends it.
             encoded: Any = vector
@@ -212,12 +214,31 @@ class _Replica:
             raise ApiError(400, str(exc)) from exc
         return gens
 
-    async def _collect(self, gen: Generation) -> None:
-        try:
-            async for _ in gen.pieces():
+    async def _collect(self, gens: list[Generation], request: Request) -> bool:
+        """Run `gens` to their end; False when the client went away first. Its generations are then aborted, as
+        vLLM and SGLang abort a request whose connection closed, and their slots go to the next requests."""
+        async def run() -> None:
+            for gen in gens:
+                async for _ in gen.pieces():
+                    pass
+
+        async def client_gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
                 pass
+
+        finished, gone = asyncio.ensure_future(run()), asyncio.ensure_future(client_gone())
+        try:
+            await asyncio.wait((finished, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            self.engine.abort(gen)  # a no-op once finished; frees the slot if the handler was cancelled
+            for task in (finished, gone):
+                task.cancel()
+            await asyncio.gather(finished, gone, return_exceptions=True)
+            for gen in gens:
+                self.engine.abort(gen)  # a no-op once finished
+        if finished.cancelled():
+            return False
+        finished.result()  # raises what the generation raised
+        return True
 
     def _head(self, rid: str, obj: str) -> dict[str, Any]:
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.config.model}

@@ -10,6 +10,7 @@ import pytest
 
 from loadtest.fleet import Fleet, free_port
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA
+from tests.dropping_proxy import dropping_proxy
 
 
 def ask(gateway: str, content: str = "hello", **extra: object) -> httpx2.Response:
@@ -90,3 +91,67 @@ def test_client_that_goes_away_releases_its_backend(fleet: Fleet) -> None:
         time.sleep(0.05)
     else:
         pytest.fail("the abandoned request still holds its backend")
+
+
+def metric(gateway: str, name: str, **labels: str) -> float:
+    """The sum of a gateway metric's samples that carry `labels`."""
+    total = 0.0
+    for line in httpx2.get(gateway + "/metrics", trust_env=False).text.splitlines():
+        if line.startswith(name + "{") and all(f'{key}="{value}"' in line for key, value in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_connection_closed_before_the_answer_is_retried_on_the_only_backend(fleet: Fleet) -> None:
+    replica = fleet.start_replica(args=FAST_REPLICA)
+    with dropping_proxy(replica.url, drops=1) as proxy:
+        gateway = fleet.start_gateway([proxy.url], args=FAST_GATEWAY)
+        response = ask(gateway.url)
+        assert response.status_code == 200, response.text
+        assert proxy.drops_left == 0
+        assert metric(gateway.url, "gateway_upstream_errors_total", kind="unreachable") == 1
+        # The client saw one answer, so one request is counted, not a failed attempt beside it.
+        assert metric(gateway.url, "gateway_requests_total") == 1
+        assert metric(gateway.url, "gateway_requests_total", status="200") == 1
+
+
+def test_backend_that_keeps_closing_the_connection_is_502_not_503(fleet: Fleet) -> None:
+    replica = fleet.start_replica(args=FAST_REPLICA)
+    with dropping_proxy(replica.url, drops=100) as proxy:
+        gateway = fleet.start_gateway([proxy.url], args=FAST_GATEWAY)
+        response = ask(gateway.url)
+        assert response.status_code == 502, response.text
+        assert response.json()["error"]["code"] == "upstream_broken"
+        assert proxy.drops_left == 97  # the first try and max_retries (2) more
+        backend = httpx2.get(gateway.url + "/backends", trust_env=False).json()["backends"][0]
+        assert backend["in_flight"] == 0 and backend["pending_prefill_tokens"] == 0
+
+
+def test_client_that_leaves_before_a_non_streamed_answer_stops_the_engine(fleet: Fleet) -> None:
+    replica = fleet.start_replica(args=["--time-scale", "1.0", "--log-level", "warning"])  # 2,000 tokens ~ 20 s
+    gateway = fleet.start_gateway(replica.urls, args=FAST_GATEWAY)
+    with pytest.raises(httpx2.ReadTimeout):
+        httpx2.post(gateway.url + "/v1/chat/completions", trust_env=False, timeout=1.0,
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000})
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        engine = httpx2.get(replica.url + "/metrics", trust_env=False).text.splitlines()
+        [running] = [line for line in engine if line.startswith("sglang:num_running_reqs{")]
+        in_flight = httpx2.get(gateway.url + "/backends", trust_env=False).json()["backends"][0]["in_flight"]
+        if running.endswith(" 0.0") and in_flight == 0:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the engine still generates for a client that left")
+    assert metric(gateway.url, "gateway_requests_total", status="499") == 1
+
+
+def test_header_value_in_utf8_is_forwarded_and_the_backend_released(fleet: Fleet) -> None:
+    replica = fleet.start_replica(args=FAST_REPLICA)
+    gateway = fleet.start_gateway(replica.urls, args=FAST_GATEWAY)
+    response = httpx2.post(gateway.url + "/v1/chat/completions", trust_env=False, timeout=30,
+                           headers=[(b"x-user", "café".encode())],
+                           json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3})
+    assert response.status_code == 200, response.text
+    backend = httpx2.get(gateway.url + "/backends", trust_env=False).json()["backends"][0]
+    assert backend["in_flight"] == 0 and backend["pending_prefill_tokens"] == 0
