@@ -57,7 +57,8 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts: text kept, other parts by a stable rendering
-        return "".join(part.get("text", "") if isinstance(part, dict) and part.get("type") == "text"
+        return "".join(part["text"] if isinstance(part, dict) and part.get("type") == "text"
+                       and isinstance(part.get("text"), str)
                        else json.dumps(part, sort_keys=True, separators=(",", ":")) for part in content)
     return "" if content is None else json.dumps(content, sort_keys=True)
 

@@ -56,11 +56,15 @@ class UsageTap:
         self._max_body_bytes = max_body_bytes
         self._buffer = bytearray()
         self._last_usage_event = b""
+        self._body_too_big = False
 
     def feed(self, chunk: bytes) -> None:
         if not self._streaming:
-            if len(self._buffer) + len(chunk) <= self._max_body_bytes:
+            if not self._body_too_big:
                 self._buffer += chunk
+                if len(self._buffer) > self._max_body_bytes:  # no usage read from it: stop holding it
+                    self._body_too_big = True
+                    self._buffer.clear()
             return
         self._buffer += chunk
         cut = self._buffer.rfind(b"\n\n")

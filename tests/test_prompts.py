@@ -29,3 +29,8 @@ def test_validation_names_what_is_wrong() -> None:
     assert validate_body(Endpoint.GENERATE, {"text": "x"}) is None
     assert validate_body(Endpoint.CHAT, {"model": 3, "messages": [{}]}) == "'model' must be a string."
     assert validate_body(Endpoint.EMBEDDING, {"input": ["a"]}) is None
+
+
+def test_a_text_part_whose_text_is_not_a_string_still_renders() -> None:
+    odd = [{"role": "user", "content": [{"type": "text", "text": None}, {"type": "text", "text": 7}]}]
+    assert render_chat(odd) != render_chat([{"role": "user", "content": []}])  # the engine judges it, not us

@@ -43,3 +43,10 @@ def test_non_stream_body_is_parsed_once_at_the_end_and_junk_is_ignored() -> None
     junk = UsageTap(streaming=False)
     junk.feed(b"<html>")
     assert junk.usage() is None
+
+
+def test_non_stream_body_over_the_cap_is_dropped_not_kept_in_pieces() -> None:
+    tap = UsageTap(streaming=False, max_body_bytes=64)
+    tap.feed(b'{"padding": "' + b"x" * 100)  # over the cap: nothing of this body is held any more
+    tap.feed(b'{"usage": {"prompt_tokens": 3}}')  # a small tail must not be parsed as if it were the body
+    assert tap.usage() is None
