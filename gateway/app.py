@@ -73,7 +73,7 @@ class Exchange:
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.pool = Pool(config.backends, max(1, config.max_tree_size // config.routing.block_chars),
+        self.pool = Pool(config.backends, config.index_capacity_blocks(None),
                          retry_after_s=max(1, int(config.health.interval_s)))
         self.router = Router(self.pool, config.routing, config.default_model)
         self.rewriter = Rewriter(config.rewrite)

@@ -3,7 +3,7 @@
 Precedence: built-in default < `--config FILE` (TOML) < command-line flag. Every option is a top-level TOML key
 spelt with underscores (`cache_threshold = 0.3`), and a flag spelt with dashes (`--cache-threshold 0.3`).
 Backends are `[[backends]]` tables (`url`, optional `model` and `capacity_tokens`) or `--backend URL` flags;
-flags replace the file's list. Prompt rewriting is the `[rewrite]` table (see `rewrite.py`).
+flags replace the file's list. Prompt rewriting is the `[rewrite]` table (see `rewrite_config.py`).
 Values are parsed strictly; a bad one raises `ConfigError` naming the key and the value.
 """
 
@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from gateway.backends import BackendSpec
 from gateway.errors import ConfigError
 from gateway.policies import PolicyName
-from gateway.rewrite import RewriteConfig
+from gateway.rewrite_config import RewriteConfig
 from gateway.router import RoutingConfig
 
 
@@ -49,6 +49,16 @@ class GatewayConfig:
     default_model: str | None = None
     log_level: str = "info"
 
+    def index_capacity_blocks(self, kv_capacity_tokens: int | None) -> int:
+        """A backend's prefix-index bound in blocks: `max_tree_size` characters, or less when the share of its KV
+        pool the policy models (`RoutingConfig.index_share`) holds fewer."""
+        routing = self.routing
+        bound_chars = self.max_tree_size
+        if kv_capacity_tokens:
+            modelled_tokens = kv_capacity_tokens * routing.index_share
+            bound_chars = min(bound_chars, int(modelled_tokens * routing.chars_per_token))
+        return max(1, bound_chars // routing.block_chars)
+
 
 def _int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -72,18 +82,6 @@ def _str(key: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{key} must be a non-empty string, got {value!r}")
     return value
-
-
-def parse_bool(key: str, value: Any) -> bool:
-    """True/False, or exactly 'true'/'false'/'on'/'off' as text; nothing else passes for a boolean."""
-    if isinstance(value, bool):
-        return value
-    text = value.lower() if isinstance(value, str) else None
-    if text in ("true", "on"):
-        return True
-    if text in ("false", "off"):
-        return False
-    raise ConfigError(f"{key} must be true or false, got {value!r}")
 
 
 def _choice(enum: type[Enum]) -> Callable[[str, Any], Any]:

@@ -1,7 +1,7 @@
 """One exception hierarchy for everything the gateway refuses or fails at.
 
 Each error knows its HTTP status and OpenAI error ``type``; `app.py` turns any of them into OpenAI's error
-body in one place (`error_response`), so no handler builds error JSON by hand.
+body in one place (`gateway_error`), so no handler builds error JSON by hand.
 """
 
 from __future__ import annotations

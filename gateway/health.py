@@ -100,17 +100,9 @@ class Upkeep:
             engine = await discover_engine(self.client, backend.url, timeout_s)
             backend.engine = engine.engine
             backend.capacity_tokens = backend.spec.capacity_tokens or engine.capacity_tokens
-            self._apply_capacity(backend)
+            backend.index.capacity_blocks = self.config.index_capacity_blocks(backend.capacity_tokens)
             logger.info("backend %s: %s engine, model %s, KV capacity %s tokens", backend.url, backend.engine,
                         backend.model, backend.capacity_tokens or "unknown")
-
-    def _apply_capacity(self, backend: Backend) -> None:
-        routing = self.config.routing
-        bound_chars = self.config.max_tree_size
-        if backend.capacity_tokens:
-            held_tokens = backend.capacity_tokens * routing.index_share
-            bound_chars = min(bound_chars, int(held_tokens * routing.chars_per_token))
-        backend.index.capacity_blocks = max(1, bound_chars // routing.block_chars)
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(b) for b in self.pool.backends if b.healthy))

@@ -84,7 +84,7 @@ def test_fresh_backend_metrics_count_but_stale_ones_are_ignored() -> None:
     cold = request(text("cold", 2000))
     backends[0].signals = LoadSignals(queued_requests=30, running_requests=5, kv_usage=0.5,
                                       read_at_s=time.monotonic())
-    chooser = policy(signal_max_age_s=2.0)
+    chooser = policy(metrics_max_age_s=2.0)
     assert all(chooser.choose(backends, cold).backend is backends[1] for _ in range(4))
     backends[0].signals = LoadSignals(queued_requests=30, running_requests=5, kv_usage=0.5,
                                       read_at_s=time.monotonic() - 10)

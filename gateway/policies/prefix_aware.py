@@ -18,7 +18,7 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   (reserved at decision time, so a burst sees its own placements), less the progress `b` has probably made on
   the oldest of them at the prefill rate it has shown (`gateway/backlog.py`): in a burst that keeps every
   backend busy, a newcomer joins the one about to be free. When `b`'s own `/metrics` are fresher than
-  `signal_max_age_s` and its queue was longer than what we had sent when they were read (traffic from
+  `metrics_max_age_s` and its queue was longer than what we had sent when they were read (traffic from
   elsewhere), each extra request counts as much as ours do on average. For non-streamed requests the first byte
   is the whole answer; the learned rate then errs low, so this overestimates rather than herds.
 - `active_tokens(b)`: distinct prompt tokens of the requests running on `b` (a prefix they share counts once),
@@ -70,13 +70,13 @@ class PrefixAware:
 
     def __init__(self, cache_threshold: float, balance_abs_threshold: int, balance_rel_threshold: float,
                  decode_weight_tokens: float = 4.0, affinity_weight: float = 4.0,
-                 signal_max_age_s: float = 2.0, active_weight: float = 0.15, held_weight: float = 0.15) -> None:
+                 metrics_max_age_s: float = 2.0, active_weight: float = 0.15, held_weight: float = 0.15) -> None:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.decode_weight_tokens = decode_weight_tokens
         self.affinity_weight = affinity_weight
-        self.signal_max_age_s = signal_max_age_s
+        self.metrics_max_age_s = metrics_max_age_s
         self.active_weight = active_weight
         self.held_weight = held_weight
         self._turn = 0
@@ -108,7 +108,7 @@ class PrefixAware:
         such request assumed to cost what ours cost on average there (or this one, when none of ours waits)."""
         queued = backend.backlog.remaining_tokens(now_s)
         signals = backend.signals
-        if signals is not None and now_s - signals.read_at_s <= self.signal_max_age_s:
+        if signals is not None and now_s - signals.read_at_s <= self.metrics_max_age_s:
             unknown = signals.queued_requests - signals.ours_prefilling
             if unknown > 0:
                 each = backend.pending_prefill_tokens / backend.prefilling if backend.prefilling else uncached
