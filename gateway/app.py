@@ -88,7 +88,8 @@ class Gateway:
         exchange = self.rewrite(exchange, opted_out=not enabled_for(request.headers))
         routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body))
         headers = forwarded_headers(request.headers.raw, exchange.request_id)
-        opened = await unless_client_leaves(request.receive, self.forward(exchange, routing, headers))
+        opened = await unless_client_leaves(request.receive, self.forward(exchange, routing, headers),
+                                            lambda late: self.abandon(exchange, *late))
         if opened is None:
             return Response(status_code=499)  # nobody is listening; the record step has counted it
         placement, upstream = opened
@@ -164,10 +165,16 @@ class Gateway:
             self.finish(placement, exchange, Outcome(status=502, error="unreachable"))
             return False
         placement.finish()
+        placement.unrecord()
         self.metrics.upstream_errors.labels(backend.url, "unreachable").inc()
         logger.warning("backend %s failed before answering (%s); sending request %s again", backend.url,
                        exc.__class__.__name__, exchange.request_id)
         return True
+
+    async def abandon(self, exchange: Exchange, placement: Placement, upstream: httpx2.Response) -> None:
+        """The gateway is stopping, and an exchange opened just then will not be relayed."""
+        await upstream.aclose()
+        self.finish(placement, exchange, Outcome(status=499, error="client_disconnect"))
 
     def response_headers(self, exchange: Exchange, placement: Placement) -> dict[str, str]:
         return {"x-request-id": exchange.request_id, "x-gateway-backend": placement.backend.url,

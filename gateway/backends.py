@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.backlog import PrefillBacklog
+from gateway.backlog import PendingPrefill, PrefillBacklog
 from gateway.errors import BadRequest, ModelNotFound, NoHealthyBackend
 from gateway.prefix_index import PrefixIndex
 
@@ -80,16 +80,16 @@ class Backend:
         """Their reserved uncached prompt tokens."""
         return self.backlog.reserved_tokens
 
-    def reserve(self, prefill_tokens: int, hashes: Sequence[int]) -> None:
-        self.backlog.add(prefill_tokens, time.monotonic())
+    def reserve(self, prefill_tokens: int, hashes: Sequence[int]) -> PendingPrefill:
         self.in_flight += 1
         self._active_refs.update(hashes)
+        return self.backlog.add(prefill_tokens, time.monotonic())
 
-    def prefill_done(self, prefill_tokens: int) -> None:
-        self.backlog.finish(prefill_tokens, time.monotonic())
+    def prefill_done(self, pending: PendingPrefill) -> None:
+        self.backlog.finish(pending, time.monotonic())
 
-    def prefill_dropped(self, prefill_tokens: int) -> None:
-        self.backlog.drop(prefill_tokens, time.monotonic())
+    def prefill_dropped(self, pending: PendingPrefill) -> None:
+        self.backlog.drop(pending, time.monotonic())
 
     def release(self, hashes: Sequence[int]) -> None:
         self.in_flight = max(0, self.in_flight - 1)

@@ -14,8 +14,8 @@ prompt tokens whose first byte arrived over the seconds work of ours was pending
 weighted sums over about the last `RATE_MEMORY` first bytes (a batched prefill, several first bytes after one
 long wait, averages out). Those seconds include decode steps, batch overhead and, for non-streamed requests,
 the whole answer, so the rate errs low and the backlog high. A request that ends without a first byte (a
-broken connection, a timeout, a client that left) is released without teaching anything. No credit is given
-until `MIN_SAMPLES` first bytes have taught the rate.
+broken connection, a timeout, a client that left) or answers with an error status is released without teaching
+anything. No credit is given until `MIN_SAMPLES` first bytes have taught the rate.
 
 Only the oldest request is credited, never the ones behind it: a backend that stops making progress (its KV
 pool full, requests waiting for admission) keeps all but one of them in its backlog however long they wait.
@@ -26,6 +26,7 @@ overload (`multiturn`: p99 TTFT 0.84 s, against round robin's 0.66 s).
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 
 # First bytes needed before the learned rate is trusted; until then nothing is credited.
 MIN_SAMPLES = 8
@@ -33,11 +34,16 @@ MIN_SAMPLES = 8
 RATE_MEMORY = 64
 
 
+@dataclass(eq=False)  # each request's own entry: two requests of one size must not stand for each other
+class PendingPrefill:
+    tokens: int
+
+
 class PrefillBacklog:
     """One backend's pending prefills, in prompt tokens, oldest first. Times are `time.monotonic()` seconds."""
 
     def __init__(self) -> None:
-        self._pending: collections.deque[int] = collections.deque()
+        self._pending: collections.deque[PendingPrefill] = collections.deque()
         self.reserved_tokens = 0
         self._keep = 1.0 - 1.0 / RATE_MEMORY   # weight of the past at each new first byte
         self._drained_tokens = 0.0             # decayed sums behind the rate
@@ -62,33 +68,35 @@ class PrefillBacklog:
         rate = self.tokens_per_s
         if rate is None or not self._pending:
             return float(self.reserved_tokens)
-        return self.reserved_tokens - min(float(self._pending[0]), rate * (now_s - self._head_since_s))
+        return self.reserved_tokens - min(float(self._pending[0].tokens), rate * (now_s - self._head_since_s))
 
-    def add(self, tokens: int, now_s: float) -> None:
-        """A request with `tokens` to prefill was sent."""
+    def add(self, tokens: int, now_s: float) -> PendingPrefill:
+        """A request with `tokens` to prefill was sent; the entry returned is what `finish` or `drop` takes."""
         if not self._pending:
             self._head_since_s = now_s
-        self._pending.append(tokens)
+        pending = PendingPrefill(tokens)
+        self._pending.append(pending)
         self.reserved_tokens += tokens
+        return pending
 
-    def finish(self, tokens: int, now_s: float) -> None:
-        """The first byte of a request sent with `tokens` arrived: it teaches the rate."""
-        if self._remove(tokens):
-            self._drained_tokens = self._drained_tokens * self._keep + tokens
+    def finish(self, pending: PendingPrefill, now_s: float) -> None:
+        """The request's first byte arrived: it teaches the rate, and the next in line gets the engine's turn."""
+        if self._remove(pending):
+            self._drained_tokens = self._drained_tokens * self._keep + pending.tokens
             self._busy_s = self._busy_s * self._keep + (now_s - self._head_since_s)
             self._samples += 1
             self._head_since_s = now_s
 
-    def drop(self, tokens: int, now_s: float) -> None:
-        """A request sent with `tokens` ended without a first byte (failed, timed out, abandoned): released, but
-        not learned from. When it was the oldest, the next one in line gets the engine's turn now."""
-        if self._pending and self._pending[0] == tokens:
+    def drop(self, pending: PendingPrefill, now_s: float) -> None:
+        """The request ended without a first byte (failed, timed out, abandoned): released, but not learned
+        from. When it was the oldest, the next one in line gets the engine's turn now."""
+        if self._pending and self._pending[0] is pending:
             self._head_since_s = now_s
-        self._remove(tokens)
+        self._remove(pending)
 
-    def _remove(self, tokens: int) -> bool:
-        if tokens not in self._pending:
+    def _remove(self, pending: PendingPrefill) -> bool:
+        if pending not in self._pending:
             return False
-        self._pending.remove(tokens)  # the oldest of that size: first bytes mostly come in sending order
-        self.reserved_tokens -= tokens
+        self._pending.remove(pending)
+        self.reserved_tokens -= pending.tokens
         return True

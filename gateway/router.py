@@ -73,7 +73,7 @@ class Placement:
         self._prefilling = True
         self._finished = False
         self.placed_s = time.monotonic()
-        decision.backend.reserve(self.prefill_tokens, request.hashes)
+        self._pending_prefill = decision.backend.reserve(self.prefill_tokens, request.hashes)
 
     @property
     def backend(self) -> Backend:
@@ -86,7 +86,7 @@ class Placement:
     def first_byte(self) -> None:
         if self._prefilling:
             self._prefilling = False
-            self.backend.prefill_done(self.prefill_tokens)
+            self.backend.prefill_done(self._pending_prefill)
 
     def learn(self, reported_cached_tokens: int) -> bool:
         """Correct the index when the backend reports far fewer cached tokens than predicted: it had evicted
@@ -101,6 +101,11 @@ class Placement:
         index.insert(request.hashes)
         return forgotten > 0
 
+    def unrecord(self) -> None:
+        """The request never reached the engine: forget the part of its prompt the index recorded at decision
+        time, so later requests behind it are not sent here for a hit that is not cached."""
+        self.backend.index.truncate(self.request.hashes, self.decision.matched_blocks)
+
     def finish(self) -> None:
         """Release what was reserved. Without a first byte (failed, timed out, abandoned) the request's time says
         nothing about the backend's prefill rate, so its prefill is dropped, not learned from."""
@@ -108,7 +113,7 @@ class Placement:
             self._finished = True
             if self._prefilling:
                 self._prefilling = False
-                self.backend.prefill_dropped(self.prefill_tokens)
+                self.backend.prefill_dropped(self._pending_prefill)
             self.backend.release(self.request.hashes)
 
 

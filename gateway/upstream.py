@@ -95,22 +95,31 @@ async def send_upstream(client: httpx2.AsyncClient, url: str, body: bytes,
                               code="upstream_timeout") from exc
 
 
-async def unless_client_leaves(receive: Receive, opening: Coroutine[Any, Any, T]) -> T | None:
+async def unless_client_leaves(receive: Receive, opening: Coroutine[Any, Any, T],
+                               abandon: Callable[[T], Awaitable[None]]) -> T | None:
     """Await `opening`, or cancel it and return None as soon as the client disconnects.
 
     SGLang and vLLM send a non-streamed answer's headers only when it is complete. A client that gives up
     before then (SDKs time out, then retry) must not leave the engine generating for nobody: cancelling closes
-    our upstream connection, and the engine aborts the request when it sees that."""
+    our upstream connection, and the engine aborts the request when it sees that. When we are cancelled
+    ourselves (the server stops) just as `opening` finished, what it opened goes to `abandon`."""
     opened = asyncio.ensure_future(opening)
     left = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait((opened, left), return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    except BaseException:
         left.cancel()
-        if not opened.done():
-            opened.cancel()
-            await asyncio.gather(opened, return_exceptions=True)  # let it release what it holds
-    return None if opened.cancelled() else opened.result()
+        opened.cancel()
+        [result] = await asyncio.gather(opened, return_exceptions=True)
+        if not isinstance(result, BaseException):
+            await abandon(result)
+        raise
+    left.cancel()
+    if not opened.done():  # the client left first
+        opened.cancel()
+        await asyncio.gather(opened, return_exceptions=True)  # it releases what it holds as it is cancelled
+        return None
+    return opened.result()
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -169,7 +178,8 @@ class RelayResponse:
             async for chunk in self.upstream.aiter_raw():
                 if self.outcome.ttfb_s is None:
                     self.outcome.ttfb_s = time.monotonic() - self.started_s
-                    self.on_first_byte()
+                    if self.upstream.is_success:  # an error answer prefilled nothing: it must not teach a rate
+                        self.on_first_byte()
                 self.tap.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.upstream_finished = True

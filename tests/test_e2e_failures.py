@@ -8,6 +8,7 @@ import httpx2
 import openai
 import pytest
 
+from gateway.backlog import MIN_SAMPLES
 from loadtest.fleet import Fleet, free_port
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA
 from tests.dropping_proxy import dropping_proxy
@@ -57,9 +58,12 @@ def test_silent_backend_times_out_with_504(fleet: Fleet) -> None:
 def test_backend_500_is_relayed_and_load_released(fleet: Fleet) -> None:
     replica = fleet.start_replica(args=[*FAST_REPLICA, "--error-rate", "1.0"])
     gateway = fleet.start_gateway(replica.urls, args=FAST_GATEWAY)
-    response = ask(gateway.url)
-    assert response.status_code == 500 and "error" in response.json()
-    assert httpx2.get(gateway.url + "/backends", trust_env=False).json()["backends"][0]["in_flight"] == 0
+    for i in range(MIN_SAMPLES + 2):
+        response = ask(gateway.url, f"a long question {i} " * 100)
+        assert response.status_code == 500 and "error" in response.json()
+    backend = httpx2.get(gateway.url + "/backends", trust_env=False).json()["backends"][0]
+    assert backend["in_flight"] == 0
+    assert backend["prefill_tokens_per_s"] is None  # instant error answers prefilled nothing
 
 
 def test_stream_cut_mid_way_ends_with_an_error_event_the_sdk_raises(fleet: Fleet) -> None:

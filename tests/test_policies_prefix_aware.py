@@ -220,3 +220,14 @@ def test_engine_queue_counted_at_scrape_time_forgets_our_requests_finished_since
     cold = request(text("cold", 2000))
     chooser = policy()
     assert chooser.cost(backends[0], 0, cold) == chooser.cost(backends[1], 0, cold)
+
+
+def test_a_request_that_never_reached_its_backend_is_forgotten_by_its_index() -> None:
+    backend = make_backends(1)[0]
+    held, failed = request(SYSTEM), request(SYSTEM + text("question", 800))
+    backend.index.insert(held.hashes)
+    placement = Placement(policy().choose([backend], failed), failed)
+    backend.index.insert(failed.hashes)  # as Router.place records it
+    placement.finish()
+    placement.unrecord()  # its connection broke before the engine saw it
+    assert backend.index.match(failed.hashes) == len(held.hashes)
