@@ -3,8 +3,9 @@
     exchange = await parse(request, endpoint)        # body read (bounded), JSON checked, model resolved
     exchange = rewrite(exchange)                     # volatile IDs moved off the prompt prefix (rewrite.py)
     routing = router.routing_request(text)           # chained block hashes of the prompt (hashing.py)
-    placement = router.place(model, routing)         # healthy backends filtered, policy picks, load reserved
-    upstream = await forward(...)                    # sent as-is; failed before answering -> sent again
+    placement, upstream = await forward(...)         # router.place: healthy backends filtered, policy picks,
+                                                     # load reserved; then sent as-is, again if it failed
+                                                     # before any answer byte
     return RelayResponse(upstream, on_done=record)   # relayed chunk by chunk; usage read at the end
 
 A client that leaves stops the exchange at any point, and every way a request ends releases its placement.
@@ -38,9 +39,9 @@ from gateway.config import GatewayConfig
 from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, UpstreamTimeout
 from gateway.health import Upkeep
 from gateway.metrics import GatewayMetrics
+from gateway.policies import RoutingRequest
 from gateway.prompts import Endpoint, routing_text, validate_body
 from gateway.rewrite import Rewriter, enabled_for
-from gateway.policies import RoutingRequest
 from gateway.router import Placement, Router
 from gateway.upstream import (Outcome, RelayResponse, broken, create_client, forwarded_headers, is_retryable,
                               log_ignored_proxy_environment, send_upstream, unless_client_leaves)

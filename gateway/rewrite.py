@@ -43,7 +43,8 @@ Examples (``move``; the id_line rule takes the whole ``key: value``, so no dangl
 In a chat the head does not change from turn to turn, so the rewritten messages before the last one are the
 same on every turn: turn k's rewritten prompt, up to its last message, is a prefix of turn k+1's.
 
-Config: the ``[rewrite]`` table (`gateway/rewrite_config.py`). A request opts out with the header ``x-gateway-rewrite: off`` (see `enabled_for`).
+Config: the ``[rewrite]`` table (`gateway/rewrite_config.py`). A request opts out with the header
+``x-gateway-rewrite: off`` (see `enabled_for`).
 """
 
 from __future__ import annotations
