@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx2
 import openai
@@ -11,7 +13,7 @@ import pytest
 from gateway.backlog import MIN_SAMPLES
 from loadtest.fleet import Fleet, free_port
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA
-from tests.dropping_proxy import dropping_proxy
+from tests.dropping_proxy import DroppingProxy, dropping_proxy
 
 
 def ask(gateway: str, content: str = "hello", **extra: object) -> httpx2.Response:
@@ -106,28 +108,32 @@ def metric(gateway: str, name: str, **labels: str) -> float:
     return total
 
 
-def test_connection_closed_before_the_answer_is_retried_on_the_only_backend(fleet: Fleet) -> None:
+@contextmanager
+def gateway_behind_dropping_proxy(fleet: Fleet, drops: int) -> Iterator[tuple[str, DroppingProxy]]:
+    """A gateway whose only backend is a replica behind a proxy that drops the first `drops` requests."""
     replica = fleet.start_replica(args=FAST_REPLICA)
-    with dropping_proxy(replica.url, drops=1) as proxy:
-        gateway = fleet.start_gateway([proxy.url], args=FAST_GATEWAY)
-        response = ask(gateway.url)
+    with dropping_proxy(replica.url, drops) as proxy:
+        yield fleet.start_gateway([proxy.url], args=FAST_GATEWAY).url, proxy
+
+
+def test_connection_closed_before_the_answer_is_retried_on_the_only_backend(fleet: Fleet) -> None:
+    with gateway_behind_dropping_proxy(fleet, drops=1) as (gateway, proxy):
+        response = ask(gateway)
         assert response.status_code == 200, response.text
         assert proxy.drops_left == 0
-        assert metric(gateway.url, "gateway_upstream_errors_total", kind="unreachable") == 1
+        assert metric(gateway, "gateway_upstream_errors_total", kind="unreachable") == 1
         # The client saw one answer, so one request is counted, not a failed attempt beside it.
-        assert metric(gateway.url, "gateway_requests_total") == 1
-        assert metric(gateway.url, "gateway_requests_total", status="200") == 1
+        assert metric(gateway, "gateway_requests_total") == 1
+        assert metric(gateway, "gateway_requests_total", status="200") == 1
 
 
 def test_backend_that_keeps_closing_the_connection_is_502_not_503(fleet: Fleet) -> None:
-    replica = fleet.start_replica(args=FAST_REPLICA)
-    with dropping_proxy(replica.url, drops=100) as proxy:
-        gateway = fleet.start_gateway([proxy.url], args=FAST_GATEWAY)
-        response = ask(gateway.url)
+    with gateway_behind_dropping_proxy(fleet, drops=100) as (gateway, proxy):
+        response = ask(gateway)
         assert response.status_code == 502, response.text
         assert response.json()["error"]["code"] == "upstream_broken"
         assert proxy.drops_left == 97  # the first try and max_retries (2) more
-        backend = httpx2.get(gateway.url + "/backends", trust_env=False).json()["backends"][0]
+        backend = httpx2.get(gateway + "/backends", trust_env=False).json()["backends"][0]
         assert backend["in_flight"] == 0 and backend["pending_prefill_tokens"] == 0
 
 
