@@ -95,8 +95,9 @@ class PrefillBacklog:
         self._remove(pending)
 
     def _remove(self, pending: PendingPrefill) -> bool:
-        if pending not in self._pending:
+        try:
+            self._pending.remove(pending)  # one scan of the deque, not a membership test and then another
+        except ValueError:
             return False
-        self._pending.remove(pending)
         self.reserved_tokens -= pending.tokens
         return True
