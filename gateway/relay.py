@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 FirstByte = Callable[[], None]  # called once at a success's first byte (an error answer prefilled nothing)
 
-WHOLE_BODY_BYTES = 1024 * 1024  # non-streamed answers up to this size are read whole and sent in one write
+WHOLE_BODY_BYTES = 1024 * 1024  # non-streamed answers of a declared length up to this are sent in one write
 _WRITE_BUFFER_BYTES = 256 * 1024  # past this much unsent to the client, a write waits at most write_timeout_s
 
 
@@ -91,7 +91,7 @@ class Relay:
         self._task = asyncio.current_task()
         try:
             if not self.streaming:
-                body = await self.upstream.read(WHOLE_BODY_BYTES)
+                body = await self.upstream.read_whole(WHOLE_BODY_BYTES)
                 if body is not None:
                     return self._whole(body, on_first_byte)
             return await self._streamed(on_first_byte)

@@ -188,10 +188,17 @@ class _Alternation:
 
 # Python's regex engine tries every alternative at every position (~0.3 us per position for the built-ins),
 # too slow for a 2k window on every request. So built-ins are only tried near a *gate*: every built-in span
-# contains a digit in its own run of non-blank characters (uuid, ulid, hex, base64, dates, epochs, and the
-# value of an id_line), or a ':'/'=' at most _KEY_REACH characters after its start on the same line (id_line,
-# billing_header). A gate is found at C speed; only word starts between it and its reach are tried.
-_GATE = re.compile(r"[0-9:=]")
+# but id_line and billing_header lies in a run of at least 10 non-blank characters with a digit (uuid, ulid,
+# hex, base64, dates, epochs), and those two have a ':'/'=' right after a key, at most _KEY_REACH characters
+# after their start on the same line. Gates are found at C speed, so prose with numbers and colons ("Rules:",
+# "9:00", "3 sizes") costs one regex scan; only word starts between a gate and its reach are tried.
+_MIN_RUN = 10
+_GATE = re.compile(
+    # a digit in a run of _MIN_RUN or more non-blank characters (itself and k before it, the rest after it)
+    "[0-9](?:" + "|".join(rf"(?<=\S{{{k + 1}}})(?=\S{{{_MIN_RUN - 1 - k}}})" for k in range(_MIN_RUN)) + ")"
+    # or a ':'/'=' after a letter that ends an id_line or billing_header key (id, key, token, session, trace,
+    # stamp, buster, header, ...) or after a blank (keys may be followed by blanks)
+    r"|[:=](?<=[dDhHyYnNeEpPrR \t][:=])")
 _BLANK = re.compile(r"\s")
 _WORD_STARTS = re.compile(r"(?<!\w)(?=\S)")  # every built-in needs a non-word character before it
 _KEY_REACH = 48

@@ -109,13 +109,16 @@ class UpstreamResponse:
         except _TRANSLATED as exc:
             raise _translate(exc, answered=True) from exc
 
-    async def read(self, limit_bytes: int) -> bytes | None:
-        """The whole body, or None when it is longer than `limit_bytes` (then use `chunks()` for the rest)."""
+    async def read_whole(self, limit_bytes: int) -> bytes | None:
+        """The whole body when its declared length is at most `limit_bytes`, else None without reading any of it
+        (then use `chunks()`)."""
+        length = self._response.content_length
+        if length is None or length > limit_bytes:
+            return None
         try:
-            body = await self._response.content.read(limit_bytes + 1)
+            return await self._response.read()
         except _TRANSLATED as exc:
             raise _translate(exc, answered=True) from exc
-        return body if len(body) <= limit_bytes and self._response.content.at_eof() else None
 
     def close(self) -> None:
         """Release the connection: back to the pool after a complete body, else closed (the engine then aborts
