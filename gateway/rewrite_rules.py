@@ -136,6 +136,7 @@ BUILTIN_RULE_NAMES: tuple[str, ...] = tuple(rule.name for rule in BUILTINS)
 # pass). Matches ending this close to the search end are re-checked on the full text, because a lookahead
 # there could not see the characters that follow.
 MAX_SPAN_CHARS = 512
+_CLEAN_MEMORY = 4096  # windows remembered as clean (at most window_chars + MAX_SPAN_CHARS characters each)
 _LOOKAHEAD_SLACK = 8
 _LEADING_FLAGS = re.compile(r"\A\(\?([aiLmsux]+)\)")
 _HWS = " \t"
@@ -213,6 +214,8 @@ class RuleSet:
         builtin = [rule for rule in self.rules if rule.builtin]
         self._custom = _Alternation(custom) if custom else None
         self._builtin = _Alternation(builtin) if builtin else None
+        # Windows of text known to hold nothing: a shared system prompt is searched once, not per request.
+        self._clean: set[tuple[int, str]] = set()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -220,6 +223,17 @@ class RuleSet:
 
     def rewrite(self, text: str, budget: int, can_move: bool) -> TextRewrite:
         """Act on every span starting within ``budget`` characters of the text as rewritten."""
+        searched = (budget, text[:budget + MAX_SPAN_CHARS])  # all that decides whether anything is found
+        if searched in self._clean:
+            return TextRewrite(text, (), (), False)
+        result = self._rewrite(text, budget, can_move)
+        if not result.hits:
+            if len(self._clean) >= _CLEAN_MEMORY:
+                self._clean.clear()
+            self._clean.add(searched)
+        return result
+
+    def _rewrite(self, text: str, budget: int, can_move: bool) -> TextRewrite:
         spans: list[tuple[int, int]] = []
         moved: list[str] = []
         hits: list[SpanHit] = []
