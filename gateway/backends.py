@@ -101,10 +101,13 @@ class Backend:
 
     def release(self, hashes: Sequence[int]) -> None:
         self.in_flight = max(0, self.in_flight - 1)
-        self._active_refs.subtract(hashes)
+        refs = self._active_refs
         for block in hashes:
-            if self._active_refs[block] <= 0:
-                self._active_refs.pop(block, None)
+            count = refs[block] - 1
+            if count > 0:
+                refs[block] = count
+            else:
+                refs.pop(block, None)
 
     def exchange_answered(self, status: int) -> None:
         """A request got a complete answer from this backend (any status: 4xx is the client's business)."""

@@ -8,10 +8,11 @@ the last `meta_info` of SGLang's `/generate` stream.
 
 from __future__ import annotations
 
-import json
 import zlib
 from dataclasses import dataclass
 from typing import Any
+
+from gateway.prompts import parse_json
 
 _USAGE_MARKERS = (b'"usage"', b'"meta_info"', b'"timings"')
 
@@ -107,6 +108,6 @@ class UsageTap:
 
 def _loads(data: bytes) -> Any:
     try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+        return parse_json(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
