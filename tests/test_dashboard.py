@@ -1,0 +1,81 @@
+"""The dashboard's snapshot: sampling, the bounded history and the window's rates, without a server."""
+
+from __future__ import annotations
+
+from gateway.backends import BackendSpec, Pool
+from gateway.dashboard import HISTORY_S, MAX_SAMPLES, SAMPLE_INTERVAL_S, Dashboard
+from gateway.metrics import GatewayMetrics
+
+A, B = "http://127.0.0.1:30001", "http://127.0.0.1:30002"
+
+
+def dashboard() -> Dashboard:
+    pool = Pool([BackendSpec(A, "m"), BackendSpec(B, "m")], 1000, retry_after_s=1)
+    return Dashboard(pool, GatewayMetrics(pool), "prefix_aware")
+
+
+def answer(board: Dashboard, backend: str, route: str, prompt: int, cached: int, predicted: int) -> None:
+    metrics = board.metrics
+    metrics.requests.labels("chat", "m", backend, route, "200").inc()
+    metrics.prompt_tokens.labels("m", backend).inc(prompt)
+    metrics.cached_tokens.labels("m", backend).inc(cached)
+    metrics.predicted_cached_tokens.labels("m", backend).inc(predicted)
+
+
+def test_page_is_shipped_and_polls_the_relative_data_url() -> None:
+    board = dashboard()
+    assert "fetch(`dashboard/data?since=" in board.html
+    assert "http://" not in board.html.replace('"http://www.w3.org/2000/svg"', "")  # nothing from elsewhere
+    assert [route.path for route in board.routes()] == ["/dashboard", "/dashboard/data"]
+
+
+def test_snapshot_describes_every_backend() -> None:
+    snapshot = dashboard().snapshot(1000.0)
+    assert [backend["url"] for backend in snapshot["backends"]] == [A, B]
+    assert snapshot["policy"] == "prefix_aware"
+    assert snapshot["window"]["fleet"]["reported_hit_rate"] is None  # no tokens yet, no rate
+    assert len(snapshot["series"]) == 1
+
+
+def test_window_counts_only_what_happened_since_the_oldest_sample() -> None:
+    board = dashboard()
+    answer(board, A, "prefix", prompt=100, cached=100, predicted=100)  # before the page opened: not counted
+    board.snapshot(1000.0)
+    answer(board, A, "prefix", prompt=100, cached=80, predicted=90)
+    answer(board, B, "least-load", prompt=100, cached=0, predicted=0)
+    window = board.snapshot(1002.0)["window"]
+    assert window["seconds"] == 2.0
+    assert window["routes"] == {"least-load": 1.0, "prefix": 1.0}
+    assert window["backends"][A]["requests_per_s"] == 0.5
+    assert window["backends"][A]["reported_hit_rate"] == 0.8
+    assert window["backends"][A]["predicted_hit_rate"] == 0.9
+    assert window["fleet"]["reported_hit_rate"] == 0.4
+    assert window["fleet"]["requests"] == 2.0
+
+
+def test_polls_closer_than_the_interval_take_no_new_sample() -> None:
+    board = dashboard()
+    board.snapshot(1000.0)
+    board.snapshot(1000.0 + SAMPLE_INTERVAL_S / 2)
+    board.snapshot(1001.0)
+    assert len(board.samples) == 2
+
+
+def test_history_keeps_only_the_last_minutes() -> None:
+    board = dashboard()
+    for second in range(int(2 * HISTORY_S)):
+        board.snapshot(1000.0 + second)
+    assert len(board.samples) <= MAX_SAMPLES
+    assert board.samples[-1].at_s - board.samples[0].at_s <= HISTORY_S
+
+
+def test_since_sends_only_newer_chart_points_with_their_request_rate() -> None:
+    board = dashboard()
+    board.snapshot(1000.0)
+    answer(board, A, "prefix", prompt=10, cached=0, predicted=0)
+    answer(board, A, "prefix", prompt=10, cached=0, predicted=0)
+    series = board.snapshot(1002.0, since_s=1000.0)["series"]
+    assert [point["t"] for point in series] == [1002.0]
+    assert series[0]["backends"][A]["requests_per_s"] == 1.0
+    assert series[0]["backends"][B] == {"healthy": False, "in_flight": 0, "queued_prefill_tokens": 0,
+                                        "kv_usage": None, "requests_per_s": 0.0}
