@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -11,6 +10,7 @@ from typing import Any
 
 from gateway.config import OPTIONS, GatewayConfig, build_config, defaults, load_toml
 from gateway.errors import ConfigError
+from gateway.logs import configure_logging
 
 SERVE_EPILOG = """\
 Every option can also be set in the TOML file given by --config, as a top-level key spelt with underscores
@@ -79,7 +79,7 @@ def serve(args: argparse.Namespace) -> int:
     from gateway.server import serve as run_server
 
     config = config_from_args(args)
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     return run_server(config)
 
 
@@ -88,12 +88,6 @@ def demo(args: argparse.Namespace) -> int:
 
     configure_logging("info")
     return run_demo(replicas=args.replicas, port=args.port, time_scale=args.time_scale)
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx2 logs every upstream call at INFO; the access log already says what happened.
-    logging.getLogger("httpx2").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def build_parser() -> argparse.ArgumentParser:
