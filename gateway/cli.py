@@ -1,4 +1,5 @@
-"""`prefix-gateway serve` (the gateway) and `prefix-gateway demo` (the gateway in front of simulated replicas)."""
+"""`prefix-gateway serve` (the gateway), `prefix-gateway demo` (the gateway in front of simulated replicas) and
+`prefix-gateway check-config FILE` (validate a config file without starting)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,15 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(replicas=args.replicas, port=args.port, time_scale=args.time_scale)
 
 
+def check_config(args: argparse.Namespace) -> int:
+    """Validate a config file as `serve --config FILE` would, without starting; errors exit 2 (see main)."""
+    config = build_config(load_toml(args.file), {})
+    backends = f"{len(config.backends)} backends" if config.backends else "no backends (give --backend when serving)"
+    print(f"{args.file}: valid: policy {config.routing.policy.value}, {backends}, listens on {config.host}:"
+          f"{config.port}, rewrite {'on' if config.rewrite.enabled else 'off'}, log {config.log_format}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefix-gateway",
                                      description="Prefix-aware load-balancing gateway for LLM serving replicas.")
@@ -105,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                              help="speed of the simulated engines: 1.0 = an 8B model on one H100, "
                                   "0.1 = ten times faster (default: 0.1)")
     demo_parser.set_defaults(handler=demo)
+    check_parser = commands.add_parser("check-config", help="validate a TOML config file without starting")
+    check_parser.add_argument("file", metavar="FILE", help="the TOML file `serve --config` would read")
+    check_parser.set_defaults(handler=check_config)
     return parser
 
 
