@@ -1,10 +1,16 @@
-"""The dashboard's snapshot: sampling, the bounded history and the window's rates, without a server."""
+"""The dashboard: its snapshot (sampling, the bounded history, the window's rates) without a server, then its two
+routes on a real gateway. The page itself runs in a browser in test_dashboard_browser.py."""
 
 from __future__ import annotations
 
+import httpx2
+import pytest
+
 from gateway.backends import BackendSpec, Pool
-from gateway.dashboard import HISTORY_S, MAX_SAMPLES, SAMPLE_INTERVAL_S, Dashboard
+from gateway.dashboard import HISTORY_S, MAX_SAMPLES, Dashboard
+from gateway.demo import print_banner
 from gateway.metrics import GatewayMetrics
+from loadtest.fleet import Fleet
 
 A, B = "http://127.0.0.1:30001", "http://127.0.0.1:30002"
 
@@ -56,7 +62,7 @@ def test_window_counts_only_what_happened_since_the_oldest_sample() -> None:
 def test_polls_closer_than_the_interval_take_no_new_sample() -> None:
     board = dashboard()
     board.snapshot(1000.0)
-    board.snapshot(1000.0 + SAMPLE_INTERVAL_S / 2)
+    board.snapshot(1000.5)
     board.snapshot(1001.0)
     assert len(board.samples) == 2
 
@@ -79,3 +85,25 @@ def test_since_sends_only_newer_chart_points_with_their_request_rate() -> None:
     assert series[0]["backends"][A]["requests_per_s"] == 1.0
     assert series[0]["backends"][B] == {"healthy": False, "in_flight": 0, "queued_prefill_tokens": 0,
                                         "kv_usage": None, "requests_per_s": 0.0}
+
+
+def test_gateway_serves_the_page_and_its_data(llm_fleet: tuple[Fleet, str, list[str]]) -> None:
+    _, gateway, replicas = llm_fleet
+    page = httpx2.get(gateway + "/dashboard", timeout=10, trust_env=False)
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    data = httpx2.get(gateway + "/dashboard/data", timeout=10, trust_env=False).json()
+    assert [backend["url"] for backend in data["backends"]] == replicas
+    assert all(backend["healthy"] for backend in data["backends"])
+
+
+def test_data_refuses_a_since_that_is_not_a_number(llm_fleet: tuple[Fleet, str, list[str]]) -> None:
+    _, gateway, _ = llm_fleet
+    response = httpx2.get(gateway + "/dashboard/data?since=yesterday", timeout=10, trust_env=False)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "since"
+
+
+def test_demo_banner_prints_the_dashboard_url(capsys: pytest.CaptureFixture[str]) -> None:
+    print_banner("http://127.0.0.1:8000", ["http://127.0.0.1:30001"], "/tmp/gateway.log")
+    assert "http://127.0.0.1:8000/dashboard" in capsys.readouterr().out
