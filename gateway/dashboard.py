@@ -5,8 +5,8 @@ elsewhere) asks for `/dashboard/data` every second. Each answer is a snapshot of
 plus a short history: every poll at least `SAMPLE_INTERVAL_S` after the last one records a sample of each
 backend's gauges and cumulative counters in a ring buffer bounded by `HISTORY_S`. Sampling on poll needs no
 background task: the history covers the time the page was open (in any browser), and a gap while nobody looked
-shows as a gap. Rates and hit rates are differences between samples, so they describe the window, not the
-gateway's whole life.
+shows as a gap. Rates, hit rates and the route mix are differences between samples over the last `WINDOW_S`, not
+over the gateway's whole life.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from gateway.errors import BadRequest
 from gateway.metrics import GatewayMetrics
 
 SAMPLE_INTERVAL_S = 0.9  # a little under the page's 1 s poll, so a late poll still samples
-HISTORY_S = 300.0  # "the last minutes"
+HISTORY_S = 300.0  # what the charts show: "the last minutes"
+WINDOW_S = 60.0  # what the rates, hit rates and route mix are computed over: recent, yet not noisy
 MAX_SAMPLES = int(HISTORY_S / SAMPLE_INTERVAL_S) + 1
 # What each sample counts per backend: name on the page -> GatewayMetrics attribute (a counter with a backend label).
 COUNTERS = {"requests": "requests", "errors": "upstream_errors", "prompt_tokens": "prompt_tokens",
@@ -139,10 +140,11 @@ class Dashboard:
         samples = list(self.samples)
         previous: list[Sample | None] = [None, *samples[:-1]]
         points = [(before, sample) for before, sample in zip(previous, samples) if sample.at_s > since_s]
+        window_start = next(sample for sample in samples if sample.at_s >= samples[-1].at_s - WINDOW_S)
         return {
             "now_s": now_s, "policy": self.policy, "history_s": HISTORY_S,
             "backends": [backend.describe() for backend in self.pool.backends],
-            "window": window_stats(samples[0], samples[-1]),
+            "window": window_stats(window_start, samples[-1]),
             "series": [series_point(before, sample) for before, sample in points],
         }
 

@@ -7,7 +7,7 @@ import httpx2
 import pytest
 
 from gateway.backends import BackendSpec, Pool
-from gateway.dashboard import HISTORY_S, MAX_SAMPLES, Dashboard
+from gateway.dashboard import HISTORY_S, MAX_SAMPLES, WINDOW_S, Dashboard
 from gateway.demo import print_banner
 from gateway.metrics import GatewayMetrics
 from loadtest.fleet import Fleet
@@ -57,6 +57,18 @@ def test_window_counts_only_what_happened_since_the_oldest_sample() -> None:
     assert window["backends"][A]["predicted_hit_rate"] == 0.9
     assert window["fleet"]["reported_hit_rate"] == 0.4
     assert window["fleet"]["requests"] == 2.0
+
+
+def test_rates_cover_the_last_minute_while_charts_keep_the_history() -> None:
+    board = dashboard()
+    board.snapshot(1000.0)
+    answer(board, A, "prefix", prompt=100, cached=50, predicted=50)
+    for second in range(1, 121):
+        board.snapshot(1000.0 + second)
+    snapshot = board.snapshot(1121.0)
+    assert snapshot["window"]["seconds"] == WINDOW_S
+    assert snapshot["window"]["fleet"]["requests"] == 0.0
+    assert len(snapshot["series"]) == 122
 
 
 def test_polls_closer_than_the_interval_take_no_new_sample() -> None:
