@@ -36,7 +36,10 @@ def send_load(gateway: str, stop: threading.Event, client: int) -> None:
         system = SYSTEM if client % 2 else f"Topic {client}. " * 200
         body = {"model": "sim-llama-8b", "max_tokens": 16,
                 "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Q{i}?"}]}
-        httpx2.post(gateway + "/v1/chat/completions", json=body, timeout=30, trust_env=False)
+        try:
+            httpx2.post(gateway + "/v1/chat/completions", json=body, timeout=30, trust_env=False)
+        except httpx2.TransportError:  # the page's numbers are under test, not this request
+            pass
 
 
 @pytest.fixture
