@@ -152,6 +152,13 @@ def test_compose_gateway_and_replica_commands_use_valid_flags() -> None:
     assert gateways == 4
 
 
+def test_compose_gives_gateways_time_to_drain() -> None:
+    for name, service in services().items():
+        if service.get("image") == GATEWAY_IMAGE and "entrypoint" not in service:
+            config = config_from_args(build_parser().parse_args(gateway_argv(service["command"])))
+            assert int(service["stop_grace_period"].rstrip("s")) >= config.shutdown_grace_s + 5, name
+
+
 def test_compose_gateways_wait_for_healthy_backends_they_name() -> None:
     all_services = services()
     for name, service in all_services.items():
@@ -232,11 +239,14 @@ def test_kubernetes_deployment_probes_terminates_gracefully_and_runs_a_valid_com
     (container,) = pod["containers"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
-    assert container["lifecycle"]["preStop"]
-    assert pod["terminationGracePeriodSeconds"] > 15  # preStop 5 s + the server's 10 s graceful shutdown
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert is_pinned(container["image"])
     check_gateway_command(container["args"])
+    # SIGTERM comes after preStop; the server then drains for the grace period and takes 5 s more to close.
+    config = config_from_args(build_parser().parse_args(container["args"]))
+    assert pod["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + config.shutdown_grace_s + 5
 
 
 def test_kubernetes_service_and_budget_select_the_deployments_pods() -> None:
