@@ -33,6 +33,7 @@ from gateway.admission import Admission
 from gateway.auth import ApiKeys
 from gateway.backends import Pool
 from gateway.config import GatewayConfig
+from gateway.dashboard import Dashboard
 from gateway.errors import BadRequest, GatewayError, GatewayOverloaded, PayloadTooLarge
 from gateway.headers import HeaderPolicy, client_request_id, forwarded_headers
 from gateway.health import Upkeep
@@ -359,6 +360,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/ready", gateway.ready)
     app.router.add_get("/backends", gateway.backends)
     app.router.add_get("/metrics", gateway.prometheus)
+    app.add_routes(Dashboard(gateway.pool, gateway.metrics, gateway.router.policy.name).routes())
     app.on_startup.append(gateway.on_startup)
     app.on_shutdown.append(gateway.on_shutdown)
     app.on_cleanup.append(gateway.on_cleanup)

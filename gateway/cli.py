@@ -1,9 +1,9 @@
-"""`prefix-gateway serve` (the gateway) and `prefix-gateway demo` (the gateway in front of simulated replicas)."""
+"""`prefix-gateway serve` (the gateway), `prefix-gateway demo` (the gateway in front of simulated replicas) and
+`prefix-gateway check-config FILE` (validate a config file without starting)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.config import OPTIONS, GatewayConfig, build_config, defaults, load_toml
 from gateway.errors import ConfigError
+from gateway.logs import configure_logging
 
 SERVE_EPILOG = """\
 Every option can also be set in the TOML file given by --config, as a top-level key spelt with underscores
@@ -79,7 +80,7 @@ def serve(args: argparse.Namespace) -> int:
     from gateway.server import serve as run_server
 
     config = config_from_args(args)
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     return run_server(config)
 
 
@@ -90,10 +91,13 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(replicas=args.replicas, port=args.port, time_scale=args.time_scale)
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx2 logs every upstream call at INFO; the access log already says what happened.
-    logging.getLogger("httpx2").setLevel(max(logging.WARNING, logging.getLogger().level))
+def check_config(args: argparse.Namespace) -> int:
+    """Validate a config file as `serve --config FILE` would, without starting; errors exit 2 (see main)."""
+    config = build_config(load_toml(args.file), {})
+    backends = f"{len(config.backends)} backends" if config.backends else "no backends (give --backend when serving)"
+    print(f"{args.file}: valid: policy {config.routing.policy.value}, {backends}, listens on {config.host}:"
+          f"{config.port}, rewrite {'on' if config.rewrite.enabled else 'off'}, log {config.log_format}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                              help="speed of the simulated engines: 1.0 = an 8B model on one H100, "
                                   "0.1 = ten times faster (default: 0.1)")
     demo_parser.set_defaults(handler=demo)
+    check_parser = commands.add_parser("check-config", help="validate a TOML config file without starting")
+    check_parser.add_argument("file", metavar="FILE", help="the TOML file `serve --config` would read")
+    check_parser.set_defaults(handler=check_config)
     return parser
 
 

@@ -63,6 +63,7 @@ class GatewayConfig:
     workers: int = 1
     default_model: str | None = None
     log_level: str = "info"
+    log_format: str = "text"
 
     def index_capacity_blocks(self, kv_capacity_tokens: int | None) -> int:
         """A backend's prefix-index bound in blocks: `max_tree_size` characters, or less when the share of its KV
@@ -156,6 +157,11 @@ class LogLevel(str, Enum):
     INFO = "info"
     WARNING = "warning"
     ERROR = "error"
+
+
+class LogFormat(str, Enum):
+    TEXT = "text"
+    JSON = "json"
 
 
 @dataclass(frozen=True)
@@ -263,6 +269,9 @@ OPTIONS: tuple[Option, ...] = (
            "model for requests that name none, when several are served"),
     Option("log_level", "", "log_level", lambda key, value: _choice(LogLevel)(key, value).value,
            "log level: debug, info, warning or error"),
+    Option("log_format", "", "log_format", lambda key, value: _choice(LogFormat)(key, value).value,
+           "log lines as text, or json: one object per line with time, level, logger, message and the fields "
+           "of the record (the access log's request_id, backend, route, match, status, duration_ms, ...)"),
 )
 
 

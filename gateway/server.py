@@ -108,7 +108,7 @@ class Supervisor:
 
 
 def _worker_main(config: GatewayConfig) -> None:
-    from gateway.cli import configure_logging
+    from gateway.logs import configure_logging
 
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     serve_worker(config, reuse_port=True)
