@@ -37,6 +37,7 @@ from gateway.dashboard import Dashboard
 from gateway.errors import BadRequest, GatewayError, GatewayOverloaded, PayloadTooLarge
 from gateway.headers import HeaderPolicy, client_request_id, forwarded_headers
 from gateway.health import Upkeep
+from gateway.logs import ACCESS_LOGGER, flush_every
 from gateway.metrics import GatewayMetrics
 from gateway.policies import RoutingRequest
 from gateway.prompts import Endpoint, parse_json, routing_text, validate_body
@@ -46,7 +47,7 @@ from gateway.router import Placement, Router
 from gateway.upstream import Failure, UpstreamClient, UpstreamFailure, UpstreamResponse, log_ignored_proxy_environment
 
 logger = logging.getLogger(__name__)
-access_log = logging.getLogger("gateway.access")
+access_log = logging.getLogger(ACCESS_LOGGER)
 
 GENERATION_PATHS = {
     "/v1/chat/completions": Endpoint.CHAT,
@@ -85,6 +86,7 @@ class Gateway:
         self.header_policy = HeaderPolicy(config.forward_client_credentials, config.trusted_proxies)
         self.open_relays: set[Relay] = set()
         self.stopping = False
+        self.log_flusher: asyncio.Task[None] | None = None
 
     # -- the request path -------------------------------------------------------------------------------
 
@@ -275,6 +277,7 @@ class Gateway:
     # -- start and stop ---------------------------------------------------------------------------------
 
     async def on_startup(self, app: web.Application) -> None:
+        self.log_flusher = asyncio.create_task(flush_every())
         log_ignored_proxy_environment(os.environ)
         await self.client.start()
         await self.upkeep.start()
@@ -294,6 +297,9 @@ class Gateway:
     async def on_cleanup(self, app: web.Application) -> None:
         await self.upkeep.stop()
         await self.client.close()
+        if self.log_flusher is not None:
+            self.log_flusher.cancel()
+            await asyncio.gather(self.log_flusher, return_exceptions=True)
 
 
 def log_access(path: str, model: str, backend: str, route: str, match: float, status: str, error: str | None,

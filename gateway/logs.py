@@ -7,9 +7,12 @@ with `extra=` (the access log passes request_id, backend, route, match, status, 
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import io
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -33,9 +36,47 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
+FLUSH_INTERVAL_S = 0.2
+ACCESS_LOGGER = "gateway.access"
+
+
+class BufferedStderrHandler(logging.StreamHandler):
+    """stderr through a 64 KiB buffer: access lines are flushed at most every FLUSH_INTERVAL_S by
+    `flush_every`, every other line at once. Python's stderr writes each line with its own system call;
+    one access line per request made that ~60 us of the gateway's CPU per request."""
+
+    def __init__(self) -> None:
+        try:
+            raw = io.FileIO(os.dup(sys.stderr.fileno()), "w")
+        except (OSError, ValueError):  # stderr is not a file (replaced, as by a test harness): write to it as is
+            super().__init__(sys.stderr)
+            return
+        super().__init__(io.TextIOWrapper(io.BufferedWriter(raw, 65536), encoding="utf-8", errors="backslashreplace"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.stream.write(self.format(record) + self.terminator)
+            if record.name != ACCESS_LOGGER or record.levelno >= logging.WARNING:
+                self.flush()
+        except Exception:
+            self.handleError(record)
+
+
+async def flush_every(interval_s: float = FLUSH_INTERVAL_S) -> None:
+    """Flush the log handlers' buffers until cancelled (run by the app beside its other background tasks)."""
+    try:
+        while True:
+            await asyncio.sleep(interval_s)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+    finally:
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+
+
 def configure_logging(level: str, log_format: str = "text") -> None:
     """Send every logger's records at `level` and above to stderr, as text lines or JSON lines."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = BufferedStderrHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     # httpx2 logs every upstream call at INFO; the access log already says what happened.

@@ -44,6 +44,11 @@ class RewriteConfig:
     custom_rules: tuple[RuleSpec, ...] = ()
     models: Mapping[str, bool] = field(default_factory=dict)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as plain values (a MappingProxyType is not picklable): workers get the config this way."""
+        return (RewriteConfig, (self.enabled, self.window_chars, self.default_action, dict(self.actions),
+                                self.disabled, self.custom_rules, dict(self.models)))
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", MappingProxyType(dict(self.actions)))
         object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
