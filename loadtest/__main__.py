@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -115,14 +116,21 @@ def add_target_arguments(run: argparse.ArgumentParser) -> None:
                         help="--target: total KV tokens of the deployment, for the oracle (default: no oracle)")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_overhead_arguments(overhead: argparse.ArgumentParser) -> None:
-    overhead.add_argument("--rounds", type=int, default=3,
+    overhead.add_argument("--rounds", type=positive_int, default=3,
                           help="interleaved rounds over the fronts; each figure is the median")
-    overhead.add_argument("--duration-secs", type=int, default=10, metavar="SECS",
+    overhead.add_argument("--duration-secs", type=positive_int, default=10, metavar="SECS",
                           help="measured seconds of each point, whole (after a warm-up of a fifth of it, 1-2 s)")
     overhead.add_argument("--fronts", default=",".join(DEFAULT_FRONTS), metavar="LIST",
                           help=f"comma-separated fronts to compare, of: {', '.join(FRONTS)}")
-    overhead.add_argument("--stream-chunks", type=int, default=64, metavar="N",
+    overhead.add_argument("--stream-chunks", type=positive_int, default=64, metavar="N",
                           help="SSE chunks per streamed answer (one every 2 ms)")
     overhead.add_argument("--skip-peers", action="store_true", help="leave sglang-router and smg out")
     overhead.add_argument("--out", type=Path, default=None, metavar="DIR",
@@ -190,6 +198,8 @@ def overhead_config(args: argparse.Namespace) -> OverheadConfig:
             fronts.append(name)
         else:
             print(f"python -m loadtest overhead: {name} left out: {reason}", file=sys.stderr)
+    if not fronts:
+        raise ValueError("no front to measure")
     return OverheadConfig(rounds=args.rounds, duration_s=args.duration_secs, fronts=tuple(fronts),
                           stream_chunks=args.stream_chunks)
 
@@ -205,11 +215,14 @@ def command_overhead(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except ValueError as exc:
         print(f"python -m loadtest overhead: {exc}", file=sys.stderr)
         return 2
+    load_before = os.getloadavg()[0]
     results = run_overhead(config)
     rows = overhead_rows(results, config.stream_chunks)
     print(f"overhead: wrk before nginx (non-streaming) and a paced SSE backend ({config.stream_chunks} chunks, "
           f"one per 2 ms); medians of {config.rounds} interleaved rounds of {config.duration_s} s; "
           "ratios against sglang-router")
+    # Other programs' load lowers requests/s (CPU per request holds): say how busy the machine was.
+    print(f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores")
     print(markdown_table(OVERHEAD_COLUMNS, rows))
     print("\n".join(target_lines(results, config.stream_chunks)))
     if args.out is not None:

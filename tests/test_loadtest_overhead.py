@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestServer
 
+from loadtest import __main__ as loadtest_main
 from loadtest import procstat
 from loadtest.fleet import running_fleet
 from loadtest.fronts import (DIRECT, GATEWAY_PREFIX_AWARE, SGLANG_ROUTER, SMG, StreamReads, read_streams,
@@ -202,3 +203,17 @@ def test_targets_name_each_one_met_or_missed() -> None:
     assert "chunks/s 0.38× (≥ 0.5×: MISSED)" in line
     assert target_lines(results()[2:], chunks=64) == [
         "targets (issue #24): not checked, sglang-router was not measured"]
+
+
+def test_overhead_without_wrk_says_what_to_install_and_exits_2(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(loadtest_main, "wrk_installed", lambda: False)
+    assert loadtest_main.main(["overhead"]) == 2
+    assert "apt-get install wrk nginx-light" in capsys.readouterr().err
+
+
+def test_overhead_with_no_front_left_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    if not (wrk_installed() and nginx_installed()):
+        pytest.skip("the missing tools are reported first")
+    assert loadtest_main.main(["overhead", "--fronts", "smg", "--skip-peers"]) == 2
+    assert "no front to measure" in capsys.readouterr().err
