@@ -15,6 +15,7 @@ every figure is the median over the rounds.
 
 from __future__ import annotations
 
+import resource
 import statistics
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from pathlib import Path
 from loadtest.fleet import Fleet, Process, base_url, free_port, running_fleet, start_process
 from loadtest.fronts import DEFAULT_FRONTS, Front, StreamReads, start_front, stream_reads
 from loadtest.nginx import start_nginx
-from loadtest.procstat import usage
+from loadtest.procstat import machine_busy_s, usage
 from loadtest.wrk import chat_bodies, lua_script, run_wrk
 
 C1, C16, C64, STREAM = "c1", "c16", "c64", "stream"
@@ -56,6 +57,7 @@ class Point:
     p99_ms: float
     cpu_us_per_request: float | None   # None for direct: no front process
     errors: int
+    other_cores: float | None = None   # CPU other programs took meanwhile, in cores: high means a disturbed point
 
 
 @dataclass
@@ -67,24 +69,55 @@ class FrontResult:
     stream_reads: StreamReads | None = None
 
 
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def median_point(points: Sequence[Point]) -> Point:
-    cpu = [p.cpu_us_per_request for p in points if p.cpu_us_per_request is not None]
     return Point(ok_per_s=statistics.median(p.ok_per_s for p in points),
                  p50_ms=statistics.median(p.p50_ms for p in points),
                  p99_ms=statistics.median(p.p99_ms for p in points),
-                 cpu_us_per_request=statistics.median(cpu) if cpu else None,
-                 errors=sum(p.errors for p in points))
+                 cpu_us_per_request=_median([p.cpu_us_per_request for p in points]),
+                 errors=sum(p.errors for p in points),
+                 other_cores=_median([p.other_cores for p in points]))
 
 
-def measure(front: Front, script: Path, connections: int, config: OverheadConfig) -> Point:
-    """A warm-up, then `duration_s` seconds of wrk with the front's CPU read before and after."""
+@dataclass(frozen=True)
+class CpuClock:
+    """CPU seconds so far: the front's process tree, the backend's, ours with wrk's, and the whole machine's."""
+
+    front_s: float
+    backend_s: float
+    ours_s: float
+    machine_s: float
+
+    @classmethod
+    def read(cls, front_pid: int | None, backend_pid: int) -> CpuClock:
+        # wrk is a child we wait for, so its CPU shows in RUSAGE_CHILDREN; the fronts and the backend are not
+        # waited for until they stop, so nothing is counted twice.
+        ours = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+                   for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        return cls(front_s=usage(front_pid).cpu_s if front_pid is not None else 0.0,
+                   backend_s=usage(backend_pid).cpu_s, ours_s=ours, machine_s=machine_busy_s())
+
+    def other_s(self, later: CpuClock) -> float:
+        """CPU seconds other programs spent between this reading and `later`."""
+        return (later.machine_s - self.machine_s) - (later.front_s - self.front_s) \
+            - (later.backend_s - self.backend_s) - (later.ours_s - self.ours_s)
+
+
+def measure(front: Front, backend_pid: int, script: Path, connections: int, config: OverheadConfig) -> Point:
+    """A warm-up, then `duration_s` seconds of wrk with the CPU clocks read before and after."""
     run_wrk(front.url, script, connections, config.warmup_s)
-    before = usage(front.pid).cpu_s if front.pid is not None else 0.0
+    before = CpuClock.read(front.pid, backend_pid)
     result = run_wrk(front.url, script, connections, config.duration_s)
+    after = CpuClock.read(front.pid, backend_pid)
     cpu_us = None
     if front.pid is not None and result.ok:
-        cpu_us = (usage(front.pid).cpu_s - before) * 1e6 / result.ok
-    return Point(result.ok_per_s, result.p50_ms, result.p99_ms, cpu_us, result.errors)
+        cpu_us = (after.front_s - before.front_s) * 1e6 / result.ok
+    other_cores = max(0.0, before.other_s(after)) / result.duration_s if result.duration_s > 0 else None
+    return Point(result.ok_per_s, result.p50_ms, result.p99_ms, cpu_us, result.errors, other_cores)
 
 
 def rss_mb(front: Front) -> float | None:
@@ -99,12 +132,13 @@ def write_script(directory: Path, stream: bool) -> Path:
 
 def log_point(round_index: int, config: OverheadConfig, front: str, label: str, point: Point) -> None:
     cpu = "-" if point.cpu_us_per_request is None else f"{point.cpu_us_per_request:,.0f}"
+    other = "-" if point.other_cores is None else f"{point.other_cores:.2f}"
     print(f"round {round_index + 1}/{config.rounds} {front} {label}: {point.ok_per_s:,.0f}/s, "
-          f"p50 {point.p50_ms:.2f} ms, p99 {point.p99_ms:.2f} ms, CPU {cpu} us each, {point.errors} errors",
-          file=sys.stderr)
+          f"p50 {point.p50_ms:.2f} ms, p99 {point.p99_ms:.2f} ms, CPU {cpu} us each, {point.errors} errors, "
+          f"other programs {other} cores", file=sys.stderr)
 
 
-def non_streaming_phase(fronts: Sequence[Front], script: Path, config: OverheadConfig,
+def non_streaming_phase(fronts: Sequence[Front], backend_pid: int, script: Path, config: OverheadConfig,
                         results: dict[str, FrontResult]) -> None:
     for front in fronts:
         run_wrk(front.url, script, CONNECTIONS[C64], config.warmup_s)
@@ -113,7 +147,7 @@ def non_streaming_phase(fronts: Sequence[Front], script: Path, config: OverheadC
     for round_index in range(config.rounds):
         for front in fronts:
             for label, connections in CONNECTIONS.items():
-                point = measure(front, script, connections, config)
+                point = measure(front, backend_pid, script, connections, config)
                 log_point(round_index, config, front.name, label, point)
                 samples.setdefault((front.name, label), []).append(point)
     for front in fronts:
@@ -122,14 +156,14 @@ def non_streaming_phase(fronts: Sequence[Front], script: Path, config: OverheadC
             results[front.name].points[label] = median_point(samples[(front.name, label)])
 
 
-def streaming_phase(fronts: Sequence[Front], script: Path, probe: str, config: OverheadConfig,
+def streaming_phase(fronts: Sequence[Front], backend_pid: int, script: Path, probe: str, config: OverheadConfig,
                     results: dict[str, FrontResult]) -> None:
     for front in fronts:
         results[front.name].stream_reads = stream_reads(front.url, probe)
     samples: dict[str, list[Point]] = {}
     for round_index in range(config.rounds):
         for front in fronts:
-            point = measure(front, script, STREAMS, config)
+            point = measure(front, backend_pid, script, STREAMS, config)
             log_point(round_index, config, front.name, STREAM, point)
             samples.setdefault(front.name, []).append(point)
     for front in fronts:
@@ -155,10 +189,11 @@ def run_overhead(config: OverheadConfig) -> list[FrontResult]:
             fleet.processes.append(nginx)
             probe = chat_bodies(stream=False, count=1)[0]
             fronts = [start_front(fleet, name, nginx.url, probe) for name in config.fronts]
-            non_streaming_phase(fronts, write_script(directory, stream=False), config, results)
+            non_streaming_phase(fronts, nginx.popen.pid, write_script(directory, stream=False), config, results)
         with running_fleet() as fleet:
             backend = start_sse_backend(fleet, config)
             probe = chat_bodies(stream=True, count=1)[0]
             fronts = [start_front(fleet, name, backend.url, probe) for name in config.fronts]
-            streaming_phase(fronts, write_script(directory, stream=True), probe, config, results)
+            streaming_phase(fronts, backend.popen.pid, write_script(directory, stream=True), probe, config,
+                            results)
     return [results[name] for name in config.fronts]

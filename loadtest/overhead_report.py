@@ -3,7 +3,8 @@ issue #24 targets checked for each gateway front."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from loadtest.fronts import DIRECT, GATEWAY_ARGS, SGLANG_ROUTER
@@ -11,7 +12,7 @@ from loadtest.overhead import C1, C16, C64, STREAM, FrontResult, Point
 
 COLUMNS = ("front", "req/s c16", "req/s c64", "c1 p50 / p99 ms", "added p50 ms", "CPU us/req c16 / c64",
            "RSS MB start → end", "stream chunks/s", "stream p50 ms", "CPU us/chunk", "reads/events (most per read)",
-           "errors")
+           "other cores", "errors")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,12 @@ def _rate(value: float | None, reference: float | None) -> str:
 
 def _cpu(point: Point | None) -> str:
     return "-" if point is None or point.cpu_us_per_request is None else f"{point.cpu_us_per_request:,.0f}"
+
+
+def _other_cores(points: Iterable[Point]) -> str:
+    """The median CPU other programs took during the front's points: a high value flags a disturbed row."""
+    values = [p.other_cores for p in points if p.other_cores is not None]
+    return f"{statistics.median(values):.2f}" if values else "-"
 
 
 def added_p50_ms(result: FrontResult, direct: FrontResult | None) -> float | None:
@@ -85,6 +92,7 @@ def _row(result: FrontResult, direct: FrontResult | None, peer: FrontResult | No
         "-" if stream is None else f"{stream.p50_ms:.1f}",
         cpu_chunk,
         reads,
+        _other_cores(points.values()),
         str(sum(p.errors for p in points.values())),
     ]
 

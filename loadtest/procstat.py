@@ -80,3 +80,17 @@ def summed(stats: Iterable[ProcessStat]) -> Usage:
     page_bytes = os.sysconf("SC_PAGE_SIZE")
     return Usage(cpu_s=sum(s.cpu_ticks for s in stats) / ticks_per_s,
                  rss_bytes=sum(s.rss_pages for s in stats) * page_bytes)
+
+
+def parse_machine_busy_ticks(text: str) -> int:
+    """Busy clock ticks of all CPUs from /proc/stat's first line: user, nice, system, irq, softirq and steal
+    (idle and iowait left out; guest time is already inside user)."""
+    fields = text.splitlines()[0].split()
+    assert fields[0] == "cpu", fields[0]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in (fields[1:9] + ["0"] * 8)[:8])
+    return user + nice + system + irq + softirq + steal
+
+
+def machine_busy_s(proc: Path = PROC) -> float:
+    """CPU seconds the whole machine has spent busy so far, over all cores."""
+    return parse_machine_busy_ticks((proc / "stat").read_text(encoding="utf-8")) / os.sysconf("SC_CLK_TCK")

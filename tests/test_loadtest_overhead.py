@@ -20,7 +20,7 @@ from loadtest.fleet import running_fleet
 from loadtest.fronts import (DIRECT, GATEWAY_PREFIX_AWARE, SGLANG_ROUTER, SMG, StreamReads, read_streams,
                              front_names)
 from loadtest.nginx import COMPLETION, MODEL, nginx_config, nginx_installed, start_nginx
-from loadtest.overhead import C1, C16, C64, STREAM, FrontResult, Point, median_point
+from loadtest.overhead import C1, C16, C64, STREAM, CpuClock, FrontResult, Point, median_point
 from loadtest.overhead_report import overhead_rows, target_lines
 from loadtest.sse_backend import create_app, stream_events
 from loadtest.wrk import WrkError, chat_bodies, lua_script, parse_output, run_wrk, wrk_installed
@@ -59,6 +59,17 @@ def test_usage_of_this_process_grows_with_the_cpu_it_spends() -> None:
     after = procstat.usage(os.getpid())
     assert after.cpu_s - before.cpu_s >= 0.05
     assert after.rss_bytes > 0
+
+
+def test_machine_busy_time_leaves_out_idle_and_iowait() -> None:
+    text = "cpu  100 2 30 5000 60 0 7 1 0 0\ncpu0 50 1 15 2500 30 0 3 0 0 0\n"
+    assert procstat.parse_machine_busy_ticks(text) == 100 + 2 + 30 + 7 + 1
+
+
+def test_other_programs_cpu_is_the_machine_s_minus_ours_the_front_s_and_the_backend_s() -> None:
+    before = CpuClock(front_s=10.0, backend_s=5.0, ours_s=1.0, machine_s=100.0)
+    after = CpuClock(front_s=12.0, backend_s=5.5, ours_s=1.5, machine_s=104.0)
+    assert before.other_s(after) == pytest.approx(1.0)
 
 
 WRK_STDOUT = """\
@@ -168,8 +179,8 @@ def point(ok_per_s: float, p50_ms: float = 1.0, cpu: float | None = 100.0) -> Po
 
 
 def test_median_point_takes_each_figure_s_median_and_sums_errors() -> None:
-    points = [Point(10, 1.0, 5.0, 300, 1), Point(30, 3.0, 4.0, 100, 0), Point(20, 2.0, 9.0, 200, 2)]
-    assert median_point(points) == Point(20, 2.0, 5.0, 200, 3)
+    points = [Point(10, 1.0, 5.0, 300, 1, 0.1), Point(30, 3.0, 4.0, 100, 0, None), Point(20, 2.0, 9.0, 200, 2, 0.3)]
+    assert median_point(points) == Point(20, 2.0, 5.0, 200, 3, pytest.approx(0.2))
 
 
 def results() -> list[FrontResult]:
