@@ -232,7 +232,7 @@ def command_overhead(args: argparse.Namespace, argv: Sequence[str]) -> int:
              "fronts": [dataclasses.asdict(r) for r in results]}, indent=1) + "\n", encoding="utf-8")
         (args.out / "overhead.md").write_text(markdown_table(OVERHEAD_COLUMNS, rows) + "\n", encoding="utf-8")
     errors = sum(p.errors for r in results for p in r.points.values())
-    return 1 if errors else 0
+    return 1 if errors or any(not r.points for r in results) else 0
 
 
 def exit_on_sigterm(signum: int, frame: object) -> None:

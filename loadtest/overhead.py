@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.fleet import Fleet, Process, base_url, free_port, running_fleet, start_process
+from loadtest.fleet import Fleet, FleetError, Process, base_url, free_port, running_fleet, start_process
 from loadtest.fronts import DEFAULT_FRONTS, Front, StreamReads, start_front, stream_reads
 from loadtest.nginx import start_nginx
 from loadtest.procstat import machine_busy_s, usage
@@ -179,6 +179,18 @@ def start_sse_backend(fleet: Fleet, config: OverheadConfig) -> Process:
     return process
 
 
+def start_fronts(fleet: Fleet, names: Sequence[str], backend: str, probe: str) -> list[Front]:
+    """The fronts that start; one that does not is left out with its error, so one broken front (an optional
+    one, most likely) does not cost the whole run. Its row stays empty."""
+    fronts = []
+    for name in names:
+        try:
+            fronts.append(start_front(fleet, name, backend, probe))
+        except FleetError as exc:
+            print(f"{name} left out: it did not start: {exc}", file=sys.stderr)
+    return fronts
+
+
 def run_overhead(config: OverheadConfig) -> list[FrontResult]:
     """Both phases over `config.fronts`; each phase starts its backend and a fresh set of fronts before it."""
     results = {name: FrontResult(name) for name in config.fronts}
@@ -188,12 +200,12 @@ def run_overhead(config: OverheadConfig) -> list[FrontResult]:
             nginx = start_nginx(directory / "nginx")
             fleet.processes.append(nginx)
             probe = chat_bodies(stream=False, count=1)[0]
-            fronts = [start_front(fleet, name, nginx.url, probe) for name in config.fronts]
+            fronts = start_fronts(fleet, config.fronts, nginx.url, probe)
             non_streaming_phase(fronts, nginx.popen.pid, write_script(directory, stream=False), config, results)
         with running_fleet() as fleet:
             backend = start_sse_backend(fleet, config)
             probe = chat_bodies(stream=True, count=1)[0]
-            fronts = [start_front(fleet, name, backend.url, probe) for name in config.fronts]
+            fronts = start_fronts(fleet, config.fronts, backend.url, probe)
             streaming_phase(fronts, backend.popen.pid, write_script(directory, stream=True), probe, config,
                             results)
     return [results[name] for name in config.fronts]
