@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -13,11 +14,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loadtest.compare import compare
-from loadtest.overhead import OVERHEAD_COLUMNS, OverheadConfig, overhead_rows, run_overhead
+from loadtest.fronts import DEFAULT_FRONTS, FRONTS, front_names, missing
+from loadtest.nginx import nginx_installed
+from loadtest.overhead import OverheadConfig, run_overhead
+from loadtest.overhead_report import COLUMNS as OVERHEAD_COLUMNS
+from loadtest.overhead_report import overhead_rows, target_lines
 from loadtest.report import markdown_table, print_report, text_table, write_outputs
 from loadtest.runner import PEERS, Traffic, run_policies, run_target
 from loadtest.scenarios import LoadLevel, Scenario, list_scenarios, load_scenario, with_overrides
 from loadtest.workload import generate, request_count, working_set_tokens
+from loadtest.wrk import wrk_installed
 
 DEFAULT_POLICIES = "round_robin,cache_aware,prefix_aware"
 
@@ -35,8 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_fleet_arguments(run)
     add_target_arguments(run)
     commands.add_parser("list", help="list the scenario presets with their sizes and default loads")
-    overhead = commands.add_parser("overhead", help="the gateway's own latency and throughput cost",
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    overhead = commands.add_parser("overhead", help="what each front costs: direct, sglang-router, smg, the gateway",
+                                   description="Side by side, in one run: requests/s at 16 and 64 connections, "
+                                   "latency at 1, CPU per request, memory and streamed chunks/s of each front "
+                                   "before a zero-cost backend. Needs wrk and nginx (Debian: apt-get install wrk "
+                                   "nginx-light).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_overhead_arguments(overhead)
     table = commands.add_parser("compare", help="one markdown table over the --out directories of several runs",
                                 description="One markdown table over several runs, with prefix_aware's p99 TTFT "
@@ -107,15 +116,25 @@ def add_target_arguments(run: argparse.ArgumentParser) -> None:
                         help="--target: total KV tokens of the deployment, for the oracle (default: no oracle)")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_overhead_arguments(overhead: argparse.ArgumentParser) -> None:
-    overhead.add_argument("--stream", action="store_true", help="streaming requests (SSE relay cost)")
-    overhead.add_argument("--latency-requests", type=int, default=200, help="requests sent one at a time")
-    overhead.add_argument("--throughput-requests", type=int, default=1000, help="requests for the throughput phase")
-    overhead.add_argument("--concurrency", type=int, default=32, help="requests in flight in the throughput phase")
-    overhead.add_argument("--output-tokens", type=int, default=16, help="max_tokens of each request")
-    overhead.add_argument("--policy", default="prefix_aware", help="gateway policy")
-    overhead.add_argument("--no-peer", action="store_true", help="leave sglang-router out")
-    overhead.add_argument("--out", type=Path, default=None, help="directory for overhead.json and overhead.md")
+    overhead.add_argument("--rounds", type=positive_int, default=3,
+                          help="interleaved rounds over the fronts; each figure is the median")
+    overhead.add_argument("--duration-secs", type=positive_int, default=10, metavar="SECS",
+                          help="measured seconds of each point, whole (after a warm-up of a fifth of it, 1-2 s)")
+    overhead.add_argument("--fronts", default=",".join(DEFAULT_FRONTS), metavar="LIST",
+                          help=f"comma-separated fronts to compare, of: {', '.join(FRONTS)}")
+    overhead.add_argument("--stream-chunks", type=positive_int, default=64, metavar="N",
+                          help="SSE chunks per streamed answer (one every 2 ms)")
+    overhead.add_argument("--skip-peers", action="store_true", help="leave sglang-router and smg out")
+    overhead.add_argument("--out", type=Path, default=None, metavar="DIR",
+                          help="also write overhead.json and overhead.md here")
 
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
@@ -170,23 +189,50 @@ def command_list() -> int:
     return 0
 
 
+def overhead_config(args: argparse.Namespace) -> OverheadConfig:
+    """The config of `overhead`; a front that is not installed is left out with a message."""
+    fronts = []
+    for name in front_names(args.fronts, args.skip_peers):
+        reason = missing(name)
+        if reason is None:
+            fronts.append(name)
+        else:
+            print(f"python -m loadtest overhead: {name} left out: {reason}", file=sys.stderr)
+    if not fronts:
+        raise ValueError("no front to measure")
+    return OverheadConfig(rounds=args.rounds, duration_s=args.duration_secs, fronts=tuple(fronts),
+                          stream_chunks=args.stream_chunks)
+
+
 def command_overhead(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    config = OverheadConfig(latency_requests=args.latency_requests, throughput_requests=args.throughput_requests,
-                            concurrency=args.concurrency, stream=args.stream, policy=args.policy,
-                            output_tokens=args.output_tokens, peer=not args.no_peer)
+    tools = [name for name, installed in (("wrk", wrk_installed()), ("nginx", nginx_installed())) if not installed]
+    if tools:
+        print(f"python -m loadtest overhead needs {' and '.join(tools)} (Debian: apt-get install wrk nginx-light)",
+              file=sys.stderr)
+        return 2
+    try:
+        config = overhead_config(args)
+    except ValueError as exc:
+        print(f"python -m loadtest overhead: {exc}", file=sys.stderr)
+        return 2
+    load_before = os.getloadavg()[0]
     results = run_overhead(config)
-    rows = overhead_rows(results)
-    mode = "streaming" if config.stream else "non-streaming"
-    print(f"overhead ({mode}, {config.output_tokens} output tokens, latency at concurrency 1, "
-          f"throughput at concurrency {config.concurrency}; real milliseconds)")
-    print(text_table(OVERHEAD_COLUMNS, rows))
+    rows = overhead_rows(results, config.stream_chunks)
+    print(f"overhead: wrk before nginx (non-streaming) and a paced SSE backend ({config.stream_chunks} chunks, "
+          f"one per 2 ms); medians of {config.rounds} interleaved rounds of {config.duration_s} s; "
+          "ratios against sglang-router")
+    # Other programs' load lowers requests/s (CPU per request holds): say how busy the machine was.
+    print(f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores")
+    print(markdown_table(OVERHEAD_COLUMNS, rows))
+    print("\n".join(target_lines(results, config.stream_chunks)))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "overhead.json").write_text(json.dumps(
             {"command": "python -m loadtest " + shlex.join(argv), "config": dataclasses.asdict(config),
-             "paths": [dataclasses.asdict(r) for r in results]}, indent=1) + "\n", encoding="utf-8")
+             "fronts": [dataclasses.asdict(r) for r in results]}, indent=1) + "\n", encoding="utf-8")
         (args.out / "overhead.md").write_text(markdown_table(OVERHEAD_COLUMNS, rows) + "\n", encoding="utf-8")
-    return 0
+    errors = sum(p.errors for r in results for p in r.points.values())
+    return 1 if errors or any(not r.points for r in results) else 0
 
 
 def exit_on_sigterm(signum: int, frame: object) -> None:
