@@ -74,6 +74,7 @@ class Placement:
         self._finished = False
         self.placed_s = time.monotonic()
         self._pending_prefill = decision.backend.reserve(self.prefill_tokens, request.hashes)
+        self._probe = decision.backend.outlier.probe_started()  # the one request a half-open backend takes
 
     @property
     def backend(self) -> Backend:
@@ -114,6 +115,8 @@ class Placement:
             if self._prefilling:
                 self._prefilling = False
                 self.backend.prefill_dropped(self._pending_prefill)
+            if self._probe:
+                self.backend.outlier.probe_ended()
             self.backend.release(self.request.hashes)
 
 
