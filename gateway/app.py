@@ -208,6 +208,8 @@ class Gateway:
 
     def record(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
         self.finish(placement, exchange, outcome)
+        if outcome.status >= 400:  # a rejected prompt is not cached there: it must not attract its successors
+            placement.unrecord()
         if outcome.usage is not None:
             self.record_usage(placement, exchange, outcome)
 

@@ -17,9 +17,13 @@ from gateway.policies import Decision, Policy, PolicyName, RoutingRequest
 from gateway.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin
 from gateway.policies.cache_aware import CacheAware
 from gateway.policies.prefix_aware import PrefixAware
+from gateway.prefix_index import PrefixIndex
 
 # A backend reporting less than this share of the predicted cached tokens has evicted that prefix.
 EVICTION_EVIDENCE_RATIO = 0.5
+# The most of a backend's prefix index one request may claim. A giant prompt (30 MB, say, and rejected at that)
+# would otherwise evict every conversation the index knows of; its head is kept, which is what later requests match.
+MAX_RECORD_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -99,12 +103,13 @@ class Placement:
         request, index = self.request, self.backend.index
         keep_blocks = int(reported_cached_tokens * request.chars_per_token) // request.block_chars
         forgotten = index.truncate(request.hashes, keep_blocks)
-        index.insert(request.hashes)
+        record(index, request.hashes)
         return forgotten > 0
 
     def unrecord(self) -> None:
-        """The request never reached the engine: forget the part of its prompt the index recorded at decision
-        time, so later requests behind it are not sent here for a hit that is not cached."""
+        """The request never reached the engine, or the engine rejected it (4xx/5xx): forget the part of its
+        prompt the index recorded at decision time, so later requests behind it are not sent here for a hit that
+        is not cached (and one rejected giant prompt does not evict the conversations that are)."""
         self.backend.index.truncate(self.request.hashes, self.decision.matched_blocks)
 
     def finish(self) -> None:
@@ -139,5 +144,10 @@ class Router:
         NoHealthyBackend when none is healthy."""
         candidates = self.pool.serving(model, exclude=avoid) or self.pool.candidates(model)
         decision = self.policy.choose(candidates, request)
-        decision.backend.index.insert(request.hashes)
+        record(decision.backend.index, request.hashes)
         return Placement(decision, request)
+
+
+def record(index: PrefixIndex, hashes: Sequence[int]) -> None:
+    """Record that the backend will cache this prompt, as much of it as one request may claim."""
+    index.insert(hashes[: max(1, int(index.capacity_blocks * MAX_RECORD_SHARE))])

@@ -51,11 +51,20 @@ def test_hung_replica_is_ejected_after_the_first_byte_timeout_and_requests_go_el
     assert metric(gateway.url, "gateway_backend_ejected", backend=hung.url) == 1
 
 
-def test_client_errors_never_eject(fleet: Fleet) -> None:
+def test_client_errors_never_eject_and_a_rejected_giant_prompt_keeps_the_conversations_routes(fleet: Fleet) -> None:
     replicas = fleet.start_replicas(2, args=[*FAST_REPLICA, "--context-length", "4000"])
-    gateway = fleet.start_gateway(replicas.urls, args=[*FAST_GATEWAY, "--outlier-consecutive-failures", "2"])
+    # Indexes of 1,562 blocks (100,000 characters), so that a pasted document of 30,000 is a giant.
+    gateway = fleet.start_gateway(replicas.urls, args=[*FAST_GATEWAY, "--outlier-consecutive-failures", "2",
+                                                       "--max-tree-size", "100000"])
+    conversations = [f"conversation {i} has a long history " * 60 for i in range(6)]
+    owners = [ask(gateway.url, history).headers["x-gateway-backend"] for history in conversations]
     for i in range(8):
         too_long = ask(gateway.url, f"enormous pasted document {i} " * 1_100)  # far over the context
         assert too_long.status_code == 400, too_long.text
     for url in replicas.urls:
         assert not described(gateway.url, url)["ejected"]
+    for history, owner in zip(conversations, owners):
+        follow_up = ask(gateway.url, history + " and one more question")
+        assert follow_up.status_code == 200
+        assert follow_up.headers["x-gateway-backend"] == owner
+        assert float(follow_up.headers["x-gateway-prefix-match"]) > 0.9
