@@ -231,12 +231,18 @@ class Pool:
         return sorted({b.model for b in self.backends if b.model and (b.healthy or not healthy_only)})
 
     def resolve_model(self, requested: str | None, default_model: str | None) -> str:
-        """The model a request is for: as named, else the default, else the only one there is."""
+        """The model a request is for: as named, else the default, else the only one there is. A model no
+        backend serves is unknown only once every backend has said what it serves: until then it may be the
+        one still loading, and the client is told to come back (503), not that it does not exist (404)."""
         known = self.models(healthy_only=False)
         if requested is not None:
-            if requested not in known:
-                raise ModelNotFound(requested, known)
-            return requested
+            if requested in known:
+                return requested
+            silent = sum(1 for b in self.backends if b.model is None)
+            if silent:
+                raise NoHealthyBackend(f"No backend that has answered serves the model '{requested}'; {silent} of "
+                                       f"{len(self.backends)} backends have not answered yet.", self._retry_after_s)
+            raise ModelNotFound(requested, known)
         if default_model is not None:
             return default_model
         if len(known) == 1:

@@ -10,6 +10,7 @@ from gateway.app import Exchange, Gateway
 from gateway.backends import Backend, BackendSpec, Pool
 from gateway.config import GatewayConfig
 from gateway.engines import Engine, EngineInfo, ModelInfo
+from gateway.errors import ModelNotFound, NoHealthyBackend
 from gateway.outlier import OutlierConfig
 from gateway.prompts import Endpoint
 from gateway.upstream import Failure, UpstreamFailure
@@ -132,3 +133,14 @@ def test_a_changed_model_forgets_the_cache_and_the_engine() -> None:
     with_history(backend)
     backend.discovered_model(ModelInfo("n", {"id": "n"}))
     assert backend.model == "n" and backend.engine is None and backend.index.size_blocks == 0
+
+
+def test_a_named_model_before_any_backend_answered_is_503_not_404() -> None:
+    silent = Pool([BackendSpec("http://b0"), BackendSpec("http://b1")], 10_000, retry_after_s=5)
+    with pytest.raises(NoHealthyBackend) as raised:
+        silent.resolve_model("sim-llama-8b", None)
+    assert raised.value.status_code == 503 and raised.value.headers() == {"retry-after": "5"}
+    for backend in silent.backends:
+        backend.discovered_model(ModelInfo("m", {"id": "m"}))
+    with pytest.raises(ModelNotFound):
+        silent.resolve_model("sim-llama-8b", None)
