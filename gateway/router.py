@@ -17,13 +17,9 @@ from gateway.policies import Decision, Policy, PolicyName, RoutingRequest
 from gateway.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin
 from gateway.policies.cache_aware import CacheAware
 from gateway.policies.prefix_aware import PrefixAware
-from gateway.prefix_index import PrefixIndex
 
 # A backend reporting less than this share of the predicted cached tokens has evicted that prefix.
 EVICTION_EVIDENCE_RATIO = 0.5
-# The most of a backend's prefix index one request may claim. A giant prompt (30 MB, say, and rejected at that)
-# would otherwise evict every conversation the index knows of; its head is kept, which is what later requests match.
-MAX_RECORD_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -103,7 +99,7 @@ class Placement:
         request, index = self.request, self.backend.index
         keep_blocks = int(reported_cached_tokens * request.chars_per_token) // request.block_chars
         forgotten = index.truncate(request.hashes, keep_blocks)
-        record(index, request.hashes)
+        record(self.backend, request.hashes)
         return forgotten > 0
 
     def unrecord(self) -> None:
@@ -144,10 +140,15 @@ class Router:
         NoHealthyBackend when none is healthy."""
         candidates = self.pool.serving(model, exclude=avoid) or self.pool.candidates(model)
         decision = self.policy.choose(candidates, request)
-        record(decision.backend.index, request.hashes)
+        record(decision.backend, request.hashes)
         return Placement(decision, request)
 
 
-def record(index: PrefixIndex, hashes: Sequence[int]) -> None:
+# The most of a backend's prefix index one request may claim. A giant prompt (30 MB, say, and rejected at that)
+# would otherwise evict every conversation the index knows of; its head is kept, which is what later requests match.
+MAX_RECORD_SHARE = 0.25
+
+
+def record(backend: Backend, hashes: Sequence[int]) -> None:
     """Record that the backend will cache this prompt, as much of it as one request may claim."""
-    index.insert(hashes[: max(1, int(index.capacity_blocks * MAX_RECORD_SHARE))])
+    backend.index.insert(hashes[: max(1, int(backend.index.capacity_blocks * MAX_RECORD_SHARE))])
