@@ -116,13 +116,18 @@ class Backend:
             if self._active_refs[block] <= 0:
                 self._active_refs.pop(block, None)
 
+    def answer_started(self) -> None:
+        """A good answer began: as good as a success for ejection."""
+        if self.outlier.succeeded():
+            logger.info("backend %s returns to service: a request succeeded after its ejection", self.url)
+
     def exchange_answered(self, status: int) -> None:
         """A request got a complete answer from this backend. 500, 502, 503 and 504 count against it; any other
         5xx and every 4xx are the client's business and count neither way."""
         if status in FAILED_STATUSES:
             self._failed("5xx", f"answered {status}", at_once=False)
-        elif status < 400 and self.outlier.succeeded():
-            logger.info("backend %s returns to service: a request succeeded after its ejection", self.url)
+        elif status < 400:
+            self.answer_started()
 
     def exchange_failed(self, failure: Failure, detail: str) -> None:
         """An exchange failed in a way that is this backend's fault (never `Failure.LOCAL`: the gateway's own)."""

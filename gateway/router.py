@@ -85,9 +85,12 @@ class Placement:
         return self.request.match_fraction(self.decision.matched_blocks)
 
     def first_byte(self) -> None:
+        """A good answer started (the relay calls this only for status < 400)."""
         if self._prefilling:
             self._prefilling = False
             self.backend.prefill_done(self._pending_prefill)
+            if self._probe:  # a half-open backend generates again: no need to wait for a long answer's end
+                self.backend.answer_started()
 
     def learn(self, reported_cached_tokens: int) -> bool:
         """Correct the index when the backend reports far fewer cached tokens than predicted: it had evicted

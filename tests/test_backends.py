@@ -11,8 +11,9 @@ from gateway.backends import Backend, BackendSpec, Pool
 from gateway.config import GatewayConfig
 from gateway.engines import Engine, EngineInfo, ModelInfo
 from gateway.errors import ModelNotFound, NoHealthyBackend
-from gateway.outlier import OutlierConfig
+from gateway.outlier import Outlier, OutlierConfig
 from gateway.prompts import Endpoint
+from gateway.router import Router
 from gateway.upstream import Failure, UpstreamFailure
 from tests.policy_fixtures import make_backends, request, text
 
@@ -144,3 +145,18 @@ def test_a_named_model_before_any_backend_answered_is_503_not_404() -> None:
         backend.discovered_model(ModelInfo("m", {"id": "m"}))
     with pytest.raises(ModelNotFound):
         silent.resolve_model("sim-llama-8b", None)
+
+
+def test_a_half_open_backend_returns_at_its_probes_first_byte_not_at_the_end_of_a_long_answer() -> None:
+    clock = [0.0]
+    fleet = pool(1)
+    backend = fleet.backends[0]
+    backend.outlier = Outlier(OUTLIER, lambda: clock[0])
+    backend.exchange_failed(Failure.FIRST_BYTE_TIMEOUT, "no first byte")
+    clock[0] += OUTLIER.base_ejection_s
+    router = Router(fleet, GatewayConfig().routing)
+    probe = router.place("m", request("a long answer"))
+    assert not backend.outlier.admits()  # one probe at a time
+    probe.first_byte()
+    assert not backend.outlier.ejected and backend.outlier.admits()
+    probe.finish()
