@@ -75,7 +75,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.pool = Pool(config.backends, config.index_capacity_blocks(None),
-                         retry_after_s=max(1, int(config.health.interval_s)))
+                         retry_after_s=max(1, int(config.health.interval_s)), outlier=config.outlier)
         self.router = Router(self.pool, config.routing, config.default_model)
         self.rewriter = Rewriter(config.rewrite)
         self.metrics = GatewayMetrics(self.pool)
@@ -172,12 +172,12 @@ class Gateway:
         """Whether to send the request again after `exc`. A retried attempt counts as its backend's error, not
         as the request's outcome: the client sees only the retry's."""
         backend = placement.backend
-        if exc.failure.backend_fault:
-            backend.exchange_failed(exc.failure, exc.detail)
         retry = exc.failure.retryable and tries < self.config.max_retries and bool(self.pool.serving(exchange.model))
-        if not retry:
+        if not retry:  # `finish` reports the failure to the backend
             self.finish(placement, exchange, Outcome(status=error_for(exc).status_code, failure=exc.failure))
             return False
+        if exc.failure.backend_fault:
+            backend.exchange_failed(exc.failure, exc.detail)
         placement.finish()
         placement.unrecord()
         self.metrics.upstream_errors.labels(backend.url, exc.failure.value).inc()
@@ -208,6 +208,8 @@ class Gateway:
 
     def record(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
         self.finish(placement, exchange, outcome)
+        if outcome.status >= 400:  # a rejected prompt is not cached there: it must not attract its successors
+            placement.unrecord()
         if outcome.usage is not None:
             self.record_usage(placement, exchange, outcome)
 

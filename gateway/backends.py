@@ -1,7 +1,8 @@
 """The backends (engine replicas) behind the gateway: what each serves, whether it is healthy, how loaded it is.
 
-A `Backend` is plain mutable state owned by the event loop: the health checker writes health, model and
-capacity; the router reserves and releases load; policies only read. `Pool` answers "which backends may serve
+A `Backend` is mutable state owned by the event loop and changed only through its own methods: the health checker
+reports checks, discoveries and load readings; the router reserves and releases load; the record step reports how
+each exchange ended (outlier ejection, outlier.py); policies only read. `Pool` answers "which backends may serve
 model M right now".
 """
 
@@ -11,13 +12,14 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.backlog import PendingPrefill, PrefillBacklog
-from gateway.engines import Engine
+from gateway.engines import Engine, EngineInfo, ModelInfo
 from gateway.errors import BadRequest, ModelNotFound, NoHealthyBackend
+from gateway.outlier import FAILED_STATUSES, Ejection, Outlier, OutlierConfig
 from gateway.prefix_index import PrefixIndex
 from gateway.upstream import Failure
 
@@ -48,6 +50,11 @@ class LoadSignals:
     ours_prefilling: int = 0
 
 
+# Failures that eject at once: a refused connection, or a whole timeout waited out. A connection broken before
+# the answer is not among them: a pooled keep-alive connection the engine just closed breaks that way too.
+_AT_ONCE = frozenset({Failure.CONNECT, Failure.FIRST_BYTE_TIMEOUT, Failure.IDLE_TIMEOUT})
+
+
 @dataclass(eq=False)
 class Backend:
     spec: BackendSpec
@@ -56,11 +63,12 @@ class Backend:
     model_card: dict[str, Any] = field(default_factory=dict)  # the backend's own /v1/models entry
     engine: Engine | None = None  # None until discovered
     healthy: bool = False
-    consecutive_failures: int = 0
-    consecutive_successes: int = 0
+    failed_checks: int = 0  # health checks failed in a row
+    passed_checks: int = 0  # ...and passed in a row
     capacity_tokens: int | None = None
     in_flight: int = 0
     signals: LoadSignals | None = None
+    outlier: Outlier = field(default_factory=Outlier, repr=False)
     backlog: PrefillBacklog = field(default_factory=PrefillBacklog, repr=False)  # ours, before first byte
     _active_refs: collections.Counter[int] = field(default_factory=collections.Counter, repr=False)
 
@@ -88,6 +96,8 @@ class Backend:
         """Their reserved uncached prompt tokens."""
         return self.backlog.reserved_tokens
 
+    # -- requests (the router and the record step) -----------------------------------------------------
+
     def reserve(self, prefill_tokens: int, hashes: Sequence[int]) -> PendingPrefill:
         self.in_flight += 1
         self._active_refs.update(hashes)
@@ -109,33 +119,100 @@ class Backend:
             else:
                 refs.pop(block, None)
 
+    def answer_started(self) -> None:
+        """A good answer began: as good as a success for ejection."""
+        if self.outlier.succeeded():
+            logger.info("backend %s returns to service: a request succeeded after its ejection", self.url)
+
     def exchange_answered(self, status: int) -> None:
-        """A request got a complete answer from this backend (any status: 4xx is the client's business)."""
+        """A request got a complete answer from this backend. 500, 502, 503 and 504 count against it; any other
+        5xx and every 4xx are the client's business and count neither way."""
+        if status in FAILED_STATUSES:
+            self._failed("5xx", f"answered {status}", at_once=False)
+        elif status < 400:
+            self.answer_started()
 
     def exchange_failed(self, failure: Failure, detail: str) -> None:
-        """An exchange failed in a way that is this backend's fault. A refused connection takes it out until a
-        health check brings it back."""
-        if failure is Failure.CONNECT:
-            self.mark_down(f"connection failed: {detail}")
+        """An exchange failed in a way that is this backend's fault (never `Failure.LOCAL`: the gateway's own)."""
+        if not failure.backend_fault:  # the gateway's own resources ran out: never the backend's fault
+            return
+        self._failed(failure.value, detail, at_once=failure in _AT_ONCE)
 
-    def mark_down(self, reason: str) -> None:
-        if self.healthy:
-            logger.warning("backend %s marked unhealthy: %s", self.url, reason)
+    def _failed(self, cause: str, detail: str, at_once: bool) -> None:
+        ejection = self.outlier.failed(cause, at_once)
+        if ejection is not None:
+            self._log_ejection(ejection, detail)
+
+    def _log_ejection(self, ejection: Ejection, detail: str) -> None:
+        logger.warning("backend %s ejected for %.0f s after %d failure(s) in a row (last: %s)", self.url,
+                       ejection.duration_s, ejection.failures, detail)
+
+    # -- health checks and discovery (health.py) --------------------------------------------------------
+
+    def health_check_passed(self, success_threshold: int) -> None:
+        """`success_threshold` passed checks in a row bring the backend back; one ends an ejection for refused
+        connections (it listens again)."""
+        self.failed_checks = 0
+        self.passed_checks += 1
+        if not self.healthy and self.passed_checks >= success_threshold:
+            self._mark_up()
+        elif self.outlier.listening():
+            logger.info("backend %s returns to service: it accepts connections again", self.url)
+
+    def health_check_failed(self, reason: str, failure_threshold: int) -> None:
+        """`failure_threshold` failed checks in a row take the backend out and forget its cache: an engine that
+        stayed away that long has most likely restarted empty."""
+        self.passed_checks = 0
+        self.failed_checks += 1
+        if self.healthy and self.failed_checks >= failure_threshold:
+            self._mark_down(reason)
+        elif not self.healthy and self.failed_checks == 1:
+            logger.warning("backend %s is not healthy: %s", self.url, reason)
+
+    def discovered_model(self, found: ModelInfo | None) -> None:
+        """What the backend's /v1/models said (None: nothing readable). A model pinned in config is kept; a
+        changed model means another engine behind the URL: its cache and engine are forgotten."""
+        if self.spec.model is None and found is not None and found.model != self.model:
+            if self.model is not None:
+                logger.warning("backend %s now serves %s (was %s)", self.url, found.model, self.model)
+                self.index.clear()
+            self.model = found.model
+            self.engine = None  # a new model may be a new engine: look again
+        if found is not None:
+            self.model_card = found.card if found.model == self.model else {}
+
+    def discovered_engine(self, found: EngineInfo, index_capacity_blocks: Callable[[int | None], int]) -> None:
+        """The engine and its KV capacity (a configured capacity wins); the prefix index is bounded to match."""
+        self.engine = found.engine
+        self.capacity_tokens = self.spec.capacity_tokens or found.capacity_tokens
+        self.index.capacity_blocks = index_capacity_blocks(self.capacity_tokens)
+        logger.info("backend %s: %s engine, model %s, KV capacity %s tokens", self.url, self.engine.value,
+                    self.model, self.capacity_tokens or "unknown")
+
+    def load_read(self, queued_requests: float, running_requests: float, kv_usage: float) -> None:
+        """A scrape of the backend's /metrics, stamped with the time and with our requests then prefilling."""
+        self.signals = LoadSignals(queued_requests, running_requests, kv_usage, read_at_s=time.monotonic(),
+                                   ours_prefilling=self.prefilling)
+
+    def _mark_down(self, reason: str) -> None:
+        logger.warning("backend %s marked unhealthy: %s", self.url, reason)
         self.healthy = False
-        self.consecutive_successes = 0
         # An engine that went away and comes back has an empty cache; forget what we thought it held.
         self.index.clear()
 
-    def mark_up(self) -> None:
-        if not self.healthy:
-            logger.info("backend %s healthy (model %s)", self.url, self.model)
+    def _mark_up(self) -> None:
+        logger.info("backend %s healthy (model %s)", self.url, self.model)
         self.healthy = True
-        self.consecutive_failures = 0
+        if self.outlier.ejected:
+            logger.info("backend %s returns to service: it passes health checks again", self.url)
+        self.outlier.reset()  # back from down: whatever ejected it before is history
 
     def describe(self) -> dict[str, Any]:
         """The read-only view served at GET /backends."""
         return {
-            "name": self.name, "url": self.url, "model": self.model, "engine": self.engine.value if self.engine else None, "healthy": self.healthy,
+            "name": self.name, "url": self.url, "model": self.model,
+            "engine": self.engine.value if self.engine else None, "healthy": self.healthy,
+            "ejected": self.outlier.ejected, "outlier": self.outlier.describe(),
             "in_flight": self.in_flight, "pending_prefill_tokens": self.pending_prefill_tokens,
             "queued_prefill_tokens": round(self.backlog.remaining_tokens(time.monotonic())),
             "prefill_tokens_per_s": self.backlog.tokens_per_s,
@@ -151,22 +228,29 @@ class Backend:
 class Pool:
     """All configured backends, in configuration order (the order ties are broken in where a policy must)."""
 
-    def __init__(self, specs: Sequence[BackendSpec], index_capacity_blocks: int, retry_after_s: int) -> None:
+    def __init__(self, specs: Sequence[BackendSpec], index_capacity_blocks: int, retry_after_s: int,
+                 outlier: OutlierConfig = OutlierConfig()) -> None:
         clock = itertools.count(1).__next__  # shared so index timestamps compare across backends
         self.backends = [Backend(spec, PrefixIndex(index_capacity_blocks, clock), model=spec.model,
-                                 capacity_tokens=spec.capacity_tokens) for spec in specs]
+                                 capacity_tokens=spec.capacity_tokens, outlier=Outlier(outlier)) for spec in specs]
         self._retry_after_s = retry_after_s
 
     def models(self, healthy_only: bool = True) -> list[str]:
         return sorted({b.model for b in self.backends if b.model and (b.healthy or not healthy_only)})
 
     def resolve_model(self, requested: str | None, default_model: str | None) -> str:
-        """The model a request is for: as named, else the default, else the only one there is."""
+        """The model a request is for: as named, else the default, else the only one there is. A model no
+        backend serves is unknown only once every backend has said what it serves: until then it may be the
+        one still loading, and the client is told to come back (503), not that it does not exist (404)."""
         known = self.models(healthy_only=False)
         if requested is not None:
-            if requested not in known:
-                raise ModelNotFound(requested, known)
-            return requested
+            if requested in known:
+                return requested
+            silent = sum(1 for b in self.backends if b.model is None)
+            if silent:
+                raise NoHealthyBackend(f"No backend that has answered serves the model '{requested}'; {silent} of "
+                                       f"{len(self.backends)} backends have not answered yet.", self._retry_after_s)
+            raise ModelNotFound(requested, known)
         if default_model is not None:
             return default_model
         if len(known) == 1:
@@ -176,9 +260,12 @@ class Pool:
         raise BadRequest(f"'model' is required: this gateway serves {', '.join(known)}.", param="model")
 
     def serving(self, model: str, exclude: Iterable[Backend] = ()) -> list[Backend]:
-        """The healthy backends of `model`, less `exclude`."""
+        """The healthy backends of `model` that ejection admits, less `exclude`. When ejection admits none of
+        them, all of them (Envoy's panic routing): ejection steers traffic away from a failing backend, it never
+        refuses what the backends might still serve."""
         excluded = set(exclude)
-        return [b for b in self.backends if b.healthy and b.model == model and b not in excluded]
+        healthy = [b for b in self.backends if b.healthy and b.model == model and b not in excluded]
+        return [b for b in healthy if b.outlier.admits()] or healthy
 
     def candidates(self, model: str, exclude: Iterable[Backend] = ()) -> list[Backend]:
         """As `serving`, but raises NoHealthyBackend rather than return none."""

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from gateway.backends import BackendSpec
 from gateway.errors import ConfigError
 from gateway.headers import Network, parse_networks
+from gateway.outlier import OutlierConfig
 from gateway.policies import PolicyName
 from gateway.rewrite_config import RewriteConfig
 from gateway.router import RoutingConfig
@@ -40,6 +41,7 @@ class GatewayConfig:
     port: int = 8000
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    outlier: OutlierConfig = field(default_factory=OutlierConfig)
     rewrite: RewriteConfig = field(default_factory=RewriteConfig)
     max_tree_size: int = 67_108_864  # characters per backend index, as sglang-router
     eviction_interval_s: float = 60.0
@@ -167,7 +169,7 @@ class LogFormat(str, Enum):
 @dataclass(frozen=True)
 class Option:
     key: str  # TOML key; the flag is --key-with-dashes
-    section: str  # which dataclass it fills: "", "routing" or "health"
+    section: str  # which dataclass it fills: "", "routing", "health" or "outlier"
     field: str
     parse: Callable[[str, Any], Any]
     help: str
@@ -222,6 +224,15 @@ OPTIONS: tuple[Option, ...] = (
            "consecutive failed checks that take a backend out"),
     Option("health_success_threshold", "health", "success_threshold", _at_least(1, _int),
            "consecutive good checks that bring a backend back"),
+    Option("outlier_consecutive_failures", "outlier", "consecutive_failures", _at_least(0, _int),
+           "failed requests in a row (500/502/503/504 answers, broken exchanges) that eject a backend from "
+           "rotation; a refused connection or a timeout ejects at once, 4xx answers never count; 0 turns "
+           "ejection off"),
+    Option("outlier_base_ejection_secs", "outlier", "base_ejection_s", _at_least(0.1, _float),
+           "seconds a backend's first ejection lasts; each further one while it keeps failing lasts twice as long, "
+           "then it takes one request at a time until one succeeds"),
+    Option("outlier_max_ejection_secs", "outlier", "max_ejection_s", _at_least(0.1, _float),
+           "longest ejection, in seconds"),
     Option("request_timeout_secs", "", "request_timeout_s", _at_least(0.1, _float),
            "seconds a backend may stay silent between chunks, and may take to send a non-streamed answer (engines "
            "send its headers only when it is complete), before 504"),
@@ -278,7 +289,7 @@ OPTIONS: tuple[Option, ...] = (
 def defaults() -> dict[str, Any]:
     """Each option's built-in default, by TOML key (for --help)."""
     config = GatewayConfig()
-    sections = {"": config, "routing": config.routing, "health": config.health}
+    sections = {"": config, "routing": config.routing, "health": config.health, "outlier": config.outlier}
     return {option.key: _shown(getattr(sections[option.section], option.field)) for option in OPTIONS}
 
 
@@ -303,7 +314,7 @@ def build_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any])
     unknown = sorted(set(merged) - known)
     if unknown:
         raise ConfigError(f"unknown config key {unknown[0]!r}")
-    sections: dict[str, dict[str, Any]] = {"": {}, "routing": {}, "health": {}}
+    sections: dict[str, dict[str, Any]] = {"": {}, "routing": {}, "health": {}, "outlier": {}}
     for option in OPTIONS:
         if option.key in merged:
             sections[option.section][option.field] = option.parse(option.key, merged[option.key])
@@ -311,9 +322,18 @@ def build_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any])
         backends=parse_backends(merged.get("backends", [])),
         routing=RoutingConfig(**sections["routing"]),
         health=HealthConfig(**sections["health"]),
+        outlier=_outlier(sections["outlier"]),
         rewrite=RewriteConfig.from_toml(_table("rewrite", merged.get("rewrite", {}))),
         **sections[""],
     )
+
+
+def _outlier(values: dict[str, Any]) -> OutlierConfig:
+    config = OutlierConfig(**values)
+    if config.max_ejection_s < config.base_ejection_s:
+        raise ConfigError(f"outlier_max_ejection_secs must be >= outlier_base_ejection_secs "
+                          f"({config.base_ejection_s:g}), got {config.max_ejection_s:g}")
+    return config
 
 
 def _table(key: str, value: Any) -> Mapping[str, Any]:

@@ -2,8 +2,9 @@
 
 Health: every `interval_s`, `GET /health` on each backend concurrently. `failure_threshold` failures in a row
 take a backend out, `success_threshold` successes bring it back; on each good check the backend's model (and,
-when it changed or is new, its engine and KV capacity) is (re)discovered, unless pinned in config. A connect
-error during a real request marks the backend down at once (`Backend.mark_down`), without waiting for a check.
+when it changed or is new, its engine and KV capacity) is (re)discovered, unless pinned in config. What each
+result does to the backend is the backend's own business (`Backend.health_check_passed` and the like). Failures
+of real requests are read by outlier ejection (outlier.py), without waiting for a check.
 
 Load signals: every `metrics_interval_s`, `GET /metrics` on each healthy backend, read into `Backend.signals`
 with the time of reading; policies ignore signals older than their staleness bound.
@@ -13,10 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
-from gateway.backends import Backend, LoadSignals, Pool
+from gateway.backends import Backend, Pool
 from gateway.config import GatewayConfig
 from gateway.engines import discover_engine, discover_model, read_load, scrape_metrics
 from gateway.upstream import UpstreamClient
@@ -63,17 +63,9 @@ class Upkeep:
             reason = "its model could not be discovered"
         health = self.config.health
         if ok:
-            backend.consecutive_failures = 0
-            backend.consecutive_successes += 1
-            if not backend.healthy and backend.consecutive_successes >= health.success_threshold:
-                backend.mark_up()
+            backend.health_check_passed(health.success_threshold)
         else:
-            backend.consecutive_successes = 0
-            backend.consecutive_failures += 1
-            if backend.healthy and backend.consecutive_failures >= health.failure_threshold:
-                backend.mark_down(reason)
-            elif not backend.healthy and backend.consecutive_failures == 1:
-                logger.warning("backend %s is not healthy: %s", backend.url, reason)
+            backend.health_check_failed(reason, health.failure_threshold)
 
     async def _probe_health(self, backend: Backend) -> tuple[bool, str]:
         status, failure = await self.client.get_status(backend.url + "/health", self.config.health.timeout_s)
@@ -85,22 +77,10 @@ class Upkeep:
 
     async def _discover(self, backend: Backend) -> None:
         timeout_s = self.config.health.timeout_s
-        found = await discover_model(self.client, backend.url, timeout_s)
-        if backend.spec.model is None and found is not None and found.model != backend.model:
-            if backend.model is not None:
-                logger.warning("backend %s now serves %s (was %s)", backend.url, found.model, backend.model)
-                backend.index.clear()
-            backend.model = found.model
-            backend.engine = None  # a new model may be a new engine: look again
-        if found is not None:
-            backend.model_card = found.card if found.model == backend.model else {}
+        backend.discovered_model(await discover_model(self.client, backend.url, timeout_s))
         if backend.engine is None:
-            engine = await discover_engine(self.client, backend.url, timeout_s)
-            backend.engine = engine.engine
-            backend.capacity_tokens = backend.spec.capacity_tokens or engine.capacity_tokens
-            backend.index.capacity_blocks = self.config.index_capacity_blocks(backend.capacity_tokens)
-            logger.info("backend %s: %s engine, model %s, KV capacity %s tokens", backend.url, backend.engine.value,
-                        backend.model, backend.capacity_tokens or "unknown")
+            backend.discovered_engine(await discover_engine(self.client, backend.url, timeout_s),
+                                      self.config.index_capacity_blocks)
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(b) for b in self.pool.backends if b.healthy))
@@ -109,4 +89,4 @@ class Upkeep:
         families = await scrape_metrics(self.client, backend.url, self.config.health.timeout_s)
         load = read_load(families) if families else None
         if load is not None:
-            backend.signals = LoadSignals(*load, read_at_s=time.monotonic(), ours_prefilling=backend.prefilling)
+            backend.load_read(*load)

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -27,9 +27,11 @@ class _PoolCollector(Collector):
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         gauges = {
             "healthy": ("1 when the backend passes health checks", lambda b: float(b.healthy)),
+            "ejected": ("1 while outlier ejection keeps the backend out of rotation or on probation",
+                        lambda b: float(b.outlier.ejected)),
             "in_flight_requests": ("requests sent to the backend and not finished", lambda b: float(b.in_flight)),
             "pending_prefill_tokens": ("uncached prompt tokens reserved on the backend, not yet past first byte",
                                        lambda b: float(b.pending_prefill_tokens)),
@@ -44,6 +46,12 @@ class _PoolCollector(Collector):
             for backend in self._pool.backends:
                 family.add_metric([backend.url, backend.model or ""], read(backend))
             yield family
+        ejections = CounterMetricFamily("gateway_backend_ejections", "Outlier ejections of the backend, by the "
+                                        "failure that decided each", labels=["backend", "model", "cause"])
+        for backend in self._pool.backends:
+            for cause, count in backend.outlier.ejections_total.items():
+                ejections.add_metric([backend.url, backend.model or "", cause], float(count))
+        yield ejections
 
 
 class Buckets:

@@ -74,6 +74,7 @@ class Placement:
         self._finished = False
         self.placed_s = time.monotonic()
         self._pending_prefill = decision.backend.reserve(self.prefill_tokens, request.hashes)
+        self._probe = decision.backend.outlier.probe_started()  # the one request a half-open backend takes
 
     @property
     def backend(self) -> Backend:
@@ -84,9 +85,12 @@ class Placement:
         return self.request.match_fraction(self.decision.matched_blocks)
 
     def first_byte(self) -> None:
+        """A good answer started (the relay calls this only for status < 400)."""
         if self._prefilling:
             self._prefilling = False
             self.backend.prefill_done(self._pending_prefill)
+            if self._probe:  # a half-open backend generates again: no need to wait for a long answer's end
+                self.backend.answer_started()
 
     def learn(self, reported_cached_tokens: int) -> bool:
         """Correct the index when the backend reports far fewer cached tokens than predicted: it had evicted
@@ -98,12 +102,13 @@ class Placement:
         request, index = self.request, self.backend.index
         keep_blocks = int(reported_cached_tokens * request.chars_per_token) // request.block_chars
         forgotten = index.truncate(request.hashes, keep_blocks)
-        index.insert(request.hashes)
+        record(self.backend, request.hashes)
         return forgotten > 0
 
     def unrecord(self) -> None:
-        """The request never reached the engine: forget the part of its prompt the index recorded at decision
-        time, so later requests behind it are not sent here for a hit that is not cached."""
+        """The request never reached the engine, or the engine rejected it (4xx/5xx): forget the part of its
+        prompt the index recorded at decision time, so later requests behind it are not sent here for a hit that
+        is not cached (and one rejected giant prompt does not evict the conversations that are)."""
         self.backend.index.truncate(self.request.hashes, self.decision.matched_blocks)
 
     def finish(self) -> None:
@@ -114,6 +119,8 @@ class Placement:
             if self._prefilling:
                 self._prefilling = False
                 self.backend.prefill_dropped(self._pending_prefill)
+            if self._probe:
+                self.backend.outlier.probe_ended()
             self.backend.release(self.request.hashes)
 
 
@@ -136,5 +143,15 @@ class Router:
         NoHealthyBackend when none is healthy."""
         candidates = self.pool.serving(model, exclude=avoid) or self.pool.candidates(model)
         decision = self.policy.choose(candidates, request)
-        decision.backend.index.insert(request.hashes)
+        record(decision.backend, request.hashes)
         return Placement(decision, request)
+
+
+# The most of a backend's prefix index one request may claim. A giant prompt (30 MB, say, and rejected at that)
+# would otherwise evict every conversation the index knows of; its head is kept, which is what later requests match.
+MAX_RECORD_SHARE = 0.25
+
+
+def record(backend: Backend, hashes: Sequence[int]) -> None:
+    """Record that the backend will cache this prompt, as much of it as one request may claim."""
+    backend.index.insert(hashes[: max(1, int(backend.index.capacity_blocks * MAX_RECORD_SHARE))])

@@ -54,6 +54,9 @@ def test_shipped_example_config_is_valid() -> None:
     ({"backends": ["http://a:1", "http://a:1"]}, "lists 'http://a:1' twice"),
     ({"backends": [{"url": "http://a:1", "weight": 2}]}, "unknown config key backends[0].'weight'"),
     ({"rewrite": {"enabled": "yes"}}, "rewrite.enabled"),
+    ({"outlier_base_ejection_secs": 60, "outlier_max_ejection_secs": 30},
+     "outlier_max_ejection_secs must be >= outlier_base_ejection_secs (60), got 30"),
+    ({"outlier_consecutive_failures": -1}, "outlier_consecutive_failures must be >= 0, got -1"),
 ])
 def test_bad_values_name_the_key_and_the_value(values: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError) as raised:

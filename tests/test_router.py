@@ -1,0 +1,61 @@
+"""The choose and record steps around the policy: what a request may teach a backend's prefix index."""
+
+from __future__ import annotations
+
+import time
+
+from gateway.app import Exchange, Gateway
+from gateway.backends import BackendSpec, Pool
+from gateway.config import GatewayConfig
+from gateway.prompts import Endpoint
+from gateway.relay import Outcome
+from gateway.router import MAX_RECORD_SHARE, Router
+from tests.policy_fixtures import text
+
+SYSTEM = text("You are a helpful assistant.", 1000)
+
+
+def gateway() -> Gateway:
+    gateway = Gateway(GatewayConfig(backends=(BackendSpec("http://b0", model="m"),)))
+    gateway.pool.backends[0].health_check_passed(success_threshold=1)
+    return gateway
+
+
+def answer(gateway: Gateway, prompt: str, status: int) -> None:
+    routing = gateway.router.routing_request(prompt)
+    placement = gateway.router.place("m", routing)
+    exchange = Exchange(Endpoint.CHAT, "/v1/chat/completions", {}, b"{}", "m", False, "id", time.monotonic())
+    gateway.record(placement, exchange, Outcome(status=status))
+
+
+def test_a_prompt_the_backend_rejected_is_forgotten_by_its_index() -> None:
+    for status in (400, 413, 500, 503):
+        subject = gateway()
+        index = subject.pool.backends[0].index
+        answer(subject, SYSTEM, 200)
+        held = index.size_blocks
+        answer(subject, SYSTEM + text("a question far too long", 4000), status)
+        assert index.size_blocks == held  # the shared head it matched stays, its own part goes
+
+
+def test_a_prompt_the_backend_answered_stays_in_its_index() -> None:
+    subject = gateway()
+    prompt = SYSTEM + text("a question", 4000)
+    answer(subject, prompt, 200)
+    routing = subject.router.routing_request(prompt)
+    assert subject.pool.backends[0].index.match(routing.hashes) == len(routing.hashes)
+
+
+def test_one_request_claims_at_most_a_quarter_of_an_index() -> None:
+    pool = Pool([BackendSpec("http://b0", model="m")], index_capacity_blocks=100, retry_after_s=1)
+    pool.backends[0].health_check_passed(success_threshold=1)
+    router = Router(pool, GatewayConfig().routing)
+    conversations = [router.routing_request(text(f"conversation {i}", 20 * 64)) for i in range(3)]
+    for conversation in conversations:
+        router.place("m", conversation).finish()
+    giant = router.routing_request(text("a giant prompt", 1000 * 64))
+    router.place("m", giant).finish()
+    index = pool.backends[0].index
+    assert index.match(giant.hashes) == int(100 * MAX_RECORD_SHARE)  # its head, which is what matches
+    assert all(index.match(c.hashes) == len(c.hashes) for c in conversations)
+    index.check_invariants()
