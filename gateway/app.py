@@ -43,6 +43,7 @@ from gateway.policies import RoutingRequest
 from gateway.prompts import Endpoint, routing_text, validate_body
 from gateway.rewrite import Rewriter, enabled_for
 from gateway.router import Placement, Router
+from gateway.shared_state import shared_state
 from gateway.upstream import (Outcome, RelayResponse, broken, create_client, forwarded_headers, is_retryable,
                               log_ignored_proxy_environment, send_upstream, unless_client_leaves)
 from gateway.usage import Usage
@@ -79,6 +80,7 @@ class Gateway:
         self.router = Router(self.pool, config.routing, config.default_model)
         self.rewriter = Rewriter(config.rewrite)
         self.metrics = GatewayMetrics(self.pool)
+        self.shared = shared_state(config.state, self.pool, self.metrics.registry)
         self.client = create_client(config.connect_timeout_s, config.request_timeout_s)
         self.upkeep = Upkeep(self.pool, self.client, config)
 
@@ -231,8 +233,8 @@ class Gateway:
     async def ready(self, request: Request) -> Response:
         ready = self.pool.ready()
         missing = sorted(set(self.pool.models(healthy_only=False)) - set(self.pool.models()))
-        return JSONResponse({"ready": ready, "models": self.pool.models(), "models_without_backend": missing},
-                            status_code=200 if ready else 503)
+        return JSONResponse({"ready": ready, "models": self.pool.models(), "models_without_backend": missing,
+                             "state": self.shared.describe()}, status_code=200 if ready else 503)
 
     async def backends(self, request: Request) -> Response:
         return JSONResponse({"policy": self.router.policy.name,
@@ -245,11 +247,13 @@ class Gateway:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         log_ignored_proxy_environment(os.environ)
         await self.upkeep.start()
+        await self.shared.start()  # replays the other instances' placements before serving
         logger.info("gateway ready: policy %s, %d backends, models %s", self.router.policy.name,
                     len(self.pool.backends), ", ".join(self.pool.models()) or "none yet")
         try:
             yield
         finally:
+            await self.shared.stop()
             await self.upkeep.stop()
             await self.client.aclose()
 

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.backlog import PendingPrefill, PrefillBacklog
 from gateway.errors import BadRequest, ModelNotFound, NoHealthyBackend
@@ -44,6 +44,45 @@ class LoadSignals:
     ours_prefilling: int = 0
 
 
+@dataclass(frozen=True)
+class RemoteLoad:
+    """A backend's load from the other gateway instances sharing state with this one (`shared_state.py`), summed
+    over them; all zero when nothing is shared, so the policies' view is then this instance's alone."""
+
+    in_flight: int = 0
+    prefilling: int = 0  # requests without a first byte yet
+    prefill_tokens: int = 0  # their remaining uncached prompt tokens
+    active_blocks: int = 0
+
+
+class Publisher(Protocol):
+    """Where a backend's index changes and health verdicts go for the other gateway instances (`shared_state.py`).
+    Every call only appends to a local buffer: it never waits and never fails."""
+
+    def placed(self, backend: Backend, hashes: Sequence[int]) -> None: ...
+
+    def corrected(self, backend: Backend, hashes: Sequence[int], keep_blocks: int) -> None: ...
+
+    def marked_down(self, backend: Backend) -> None: ...
+
+
+class NotShared:
+    """The publisher of a gateway that shares nothing."""
+
+    def placed(self, backend: Backend, hashes: Sequence[int]) -> None:
+        pass
+
+    def corrected(self, backend: Backend, hashes: Sequence[int], keep_blocks: int) -> None:
+        pass
+
+    def marked_down(self, backend: Backend) -> None:
+        pass
+
+
+NOT_SHARED = NotShared()
+NO_REMOTE_LOAD = RemoteLoad()
+
+
 @dataclass(eq=False)
 class Backend:
     spec: BackendSpec
@@ -59,10 +98,18 @@ class Backend:
     signals: LoadSignals | None = None
     backlog: PrefillBacklog = field(default_factory=PrefillBacklog, repr=False)  # ours, before first byte
     _active_refs: collections.Counter[int] = field(default_factory=collections.Counter, repr=False)
+    remote: RemoteLoad = NO_REMOTE_LOAD  # the other instances' share, with shared state
+    publisher: Publisher = field(default=NOT_SHARED, repr=False)
 
     @property
     def url(self) -> str:
         return self.spec.url
+
+    @property
+    def fleet_in_flight(self) -> int:
+        """Requests in flight on the backend from this instance and the others sharing state with it: the
+        policies' view of its load."""
+        return self.in_flight + self.remote.in_flight
 
     @property
     def active_blocks(self) -> int:
@@ -100,6 +147,12 @@ class Backend:
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:
+            self.publisher.marked_down(self)
+        self.take_out(reason)
+
+    def take_out(self, reason: str) -> None:
+        """`mark_down` without telling the other instances: for a verdict that came from one of them."""
+        if self.healthy:
             logger.warning("backend %s marked unhealthy: %s", self.url, reason)
         self.healthy = False
         self.consecutive_successes = 0
@@ -116,7 +169,8 @@ class Backend:
         """The read-only view served at GET /backends."""
         return {
             "url": self.url, "model": self.model, "engine": self.engine, "healthy": self.healthy,
-            "in_flight": self.in_flight, "pending_prefill_tokens": self.pending_prefill_tokens,
+            "in_flight": self.in_flight, "remote_in_flight": self.remote.in_flight,
+            "pending_prefill_tokens": self.pending_prefill_tokens,
             "queued_prefill_tokens": round(self.backlog.remaining_tokens(time.monotonic())),
             "prefill_tokens_per_s": self.backlog.tokens_per_s,
             "active_blocks": self.active_blocks,

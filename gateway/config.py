@@ -48,6 +48,7 @@ class GatewayConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     default_model: str | None = None
     log_level: str = "info"
+    state: str | None = None  # redis://HOST:PORT/DB shared by several instances (shared_state.py)
 
     def index_capacity_blocks(self, kv_capacity_tokens: int | None) -> int:
         """A backend's prefix-index bound in blocks: `max_tree_size` characters, or less when the share of its KV
@@ -108,6 +109,14 @@ def _fraction(key: str, value: Any) -> float:
     if not 0.0 <= parsed <= 1.0:
         raise ConfigError(f"{key} must be between 0 and 1, got {value!r}")
     return parsed
+
+
+def _store_url(key: str, value: Any) -> str:
+    parts = urlsplit(_str(key, value))
+    db = parts.path.strip("/")
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname or not (db == "" or db.isdigit()):
+        raise ConfigError(f"{key} must be a URL like redis://127.0.0.1:6379/0, got {value!r}")
+    return str(value)
 
 
 class LogLevel(str, Enum):
@@ -185,6 +194,10 @@ OPTIONS: tuple[Option, ...] = (
            "largest request body accepted, in bytes (413 above)"),
     Option("default_model", "", "default_model", _str,
            "model for requests that name none, when several are served"),
+    Option("state", "", "state", _store_url,
+           "Redis (or Valkey) that several gateway instances share routing state through: placements, index "
+           "corrections, load and health verdicts; each still routes on its local view if it is slow or gone",
+           "redis://HOST:PORT/DB"),
     Option("log_level", "", "log_level", lambda key, value: _choice(LogLevel)(key, value).value,
            "log level: debug, info, warning or error"),
 )

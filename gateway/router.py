@@ -95,16 +95,21 @@ class Placement:
         the next request behind the same prefix still finds its owner. Returns whether the index changed."""
         if reported_cached_tokens >= self.predicted_cached_tokens * EVICTION_EVIDENCE_RATIO:
             return False
-        request, index = self.request, self.backend.index
+        request, backend = self.request, self.backend
         keep_blocks = int(reported_cached_tokens * request.chars_per_token) // request.block_chars
-        forgotten = index.truncate(request.hashes, keep_blocks)
-        index.insert(request.hashes)
+        forgotten = backend.index.truncate(request.hashes, keep_blocks)
+        if forgotten:
+            backend.publisher.corrected(backend, request.hashes, keep_blocks)
+        backend.index.insert(request.hashes)
+        backend.publisher.placed(backend, request.hashes)
         return forgotten > 0
 
     def unrecord(self) -> None:
         """The request never reached the engine: forget the part of its prompt the index recorded at decision
         time, so later requests behind it are not sent here for a hit that is not cached."""
-        self.backend.index.truncate(self.request.hashes, self.decision.matched_blocks)
+        backend, hashes, keep_blocks = self.backend, self.request.hashes, self.decision.matched_blocks
+        if backend.index.truncate(hashes, keep_blocks):
+            backend.publisher.corrected(backend, hashes, keep_blocks)
 
     def finish(self) -> None:
         """Release what was reserved. Without a first byte (failed, timed out, abandoned) the request's time says
@@ -136,5 +141,7 @@ class Router:
         NoHealthyBackend when none is healthy."""
         candidates = self.pool.serving(model, exclude=avoid) or self.pool.candidates(model)
         decision = self.policy.choose(candidates, request)
-        decision.backend.index.insert(request.hashes)
+        backend = decision.backend
+        backend.index.insert(request.hashes)
+        backend.publisher.placed(backend, request.hashes)  # for other gateway instances, when state is shared
         return Placement(decision, request)
