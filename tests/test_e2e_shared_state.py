@@ -1,0 +1,142 @@
+"""Several gateway processes sharing state through a real redis-server, in front of simulated replicas."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx2
+import pytest
+
+from loadtest.fleet import Fleet, Process, redis_installed, running_fleet
+from tests.conftest import FAST_GATEWAY, FAST_REPLICA
+
+pytestmark = pytest.mark.skipif(not redis_installed(), reason="redis-server is not installed "
+                                "(apt-get install redis-server); .ci/run installs it")
+
+SYSTEM = "You are the support assistant of a bookshop. Answer politely and precisely. " * 40  # ~3,000 chars
+SHARING_PATIENCE_S = 2.0  # far above the measured publish-to-apply delay (tens of ms)
+
+
+def chat(gateway: str, system: str, question: str) -> httpx2.Response:
+    body = {"model": "sim-llama-8b", "max_tokens": 4,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    return httpx2.post(gateway + "/v1/chat/completions", json=body, timeout=30, trust_env=False)
+
+
+def state_of(gateway: str) -> tuple[int, dict[str, Any]]:
+    response = httpx2.get(gateway + "/ready", timeout=5, trust_env=False)
+    return response.status_code, response.json()["state"]
+
+
+def routed_like(gateway: str, system: str, backend: str) -> httpx2.Response:
+    """Ask `gateway` about `system` until it sends it to `backend` by prefix (the update may still be on its way)."""
+    deadline = time.monotonic() + SHARING_PATIENCE_S
+    while True:
+        response = chat(gateway, system, f"question at {time.monotonic()}")
+        assert response.status_code == 200
+        if response.headers["x-gateway-route"] == "prefix" or time.monotonic() > deadline:
+            assert response.headers["x-gateway-backend"] == backend
+            return response
+        time.sleep(0.05)
+
+
+def place(gateway: str, system: str) -> str:
+    response = chat(gateway, system, "first question")
+    assert response.status_code == 200
+    return response.headers["x-gateway-backend"]
+
+
+@pytest.fixture(scope="module")
+def shared_fleet() -> Iterator[tuple[Fleet, Process, list[str], list[Process]]]:
+    """A redis-server, three replicas, two gateways sharing state: (fleet, redis, replica URLs, gateways)."""
+    with running_fleet() as started:
+        redis = started.start_redis()
+        replicas = started.start_replicas(3, args=FAST_REPLICA)
+        gateways = started.start_gateways(2, replicas.urls, args=FAST_GATEWAY, state=redis.url)
+        yield started, redis, replicas.urls, gateways
+
+
+def test_a_prefix_placed_through_one_instance_is_routed_to_the_same_backend_through_another(
+        shared_fleet: tuple[Fleet, Process, list[str], list[Process]]) -> None:
+    _, _, _, (first, second) = shared_fleet
+    for topic in ("novels", "atlases", "cookbooks"):
+        system = f"{topic}: {SYSTEM}"
+        owner = place(first.url, system)
+        response = routed_like(second.url, system, owner)
+        assert float(response.headers["x-gateway-prefix-match"]) > 0.9
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 500  # a real hit
+
+
+def test_a_new_instance_holds_the_fleets_placements_when_it_reports_ready(
+        shared_fleet: tuple[Fleet, Process, list[str], list[Process]]) -> None:
+    fleet, redis, replicas, (first, _) = shared_fleet
+    owners = {topic: place(first.url, f"{topic}: {SYSTEM}") for topic in ("maps", "poems", "plays", "essays")}
+    time.sleep(0.2)  # flushed to the store
+    newcomer = fleet.start_gateway(replicas, args=[*FAST_GATEWAY, "--state", redis.url], name="newcomer")
+    status, state = state_of(newcomer.url)
+    assert status == 200 and state["warmed_updates"] >= len(owners)
+    for topic, owner in owners.items():  # at once: from the replayed stream, not from updates arriving later
+        response = chat(newcomer.url, f"{topic}: {SYSTEM}", "a question")
+        assert (response.headers["x-gateway-backend"], response.headers["x-gateway-route"]) == (owner, "prefix")
+
+
+class Traffic(threading.Thread):
+    """Requests sent round robin over gateways until stopped, counting those that failed."""
+
+    def __init__(self, gateways: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.gateways = gateways
+        self.sent = 0
+        self.failed: list[str] = []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            gateway = self.gateways[self.sent % len(self.gateways)]
+            try:
+                response = chat(gateway, f"group {self.sent % 5}: {SYSTEM}", f"question {self.sent}")
+                if response.status_code != 200:
+                    self.failed.append(f"{response.status_code} {response.text[:200]}")
+            except httpx2.HTTPError as exc:
+                self.failed.append(repr(exc))
+            self.sent += 1
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(timeout=30)
+
+
+def wait_for_store(gateways: list[Process], up: bool, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(state_of(g.url)[1]["up"] is not up for g in gateways):
+        assert time.monotonic() < deadline, f"the gateways did not see the store {'up' if up else 'down'}"
+        time.sleep(0.1)
+
+
+def test_redis_killed_mid_run_fails_no_request_and_sharing_resumes_when_it_returns(fleet: Fleet) -> None:
+    redis = fleet.start_redis()
+    port = int(redis.url.rsplit(":", 1)[1].split("/")[0])
+    replicas = fleet.start_replicas(3, args=FAST_REPLICA)
+    gateways = fleet.start_gateways(2, replicas.urls, args=FAST_GATEWAY, state=redis.url)
+    traffic = Traffic([g.url for g in gateways])
+    traffic.start()
+    time.sleep(0.5)
+    redis.kill()
+    wait_for_store(gateways, up=False)
+    sent_while_down = traffic.sent
+    time.sleep(1.0)
+    assert traffic.sent > sent_while_down  # requests kept flowing with the store gone
+    assert all(state_of(g.url)[0] == 200 for g in gateways)  # and the gateways stayed ready
+    fleet.start_redis(port=port)
+    wait_for_store(gateways, up=True)
+    traffic.stop()
+    assert traffic.failed == [] and traffic.sent > 20
+    first, second = gateways
+    owner = place(first.url, f"after the outage: {SYSTEM}")
+    routed_like(second.url, f"after the outage: {SYSTEM}", owner)
+    for gateway in gateways:  # one line when the store went, one when it came back; not one per request
+        log = gateway.log_tail(max_chars=100_000)
+        assert log.count("unreachable") == 1 and log.count("answers again") == 1
