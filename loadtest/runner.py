@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from loadtest.fleet import Fleet, running_fleet
 from loadtest.oracle import chat_request, oracle_hit_rate
 from loadtest.progress import Progress
 from loadtest.scenarios import Kind, Scenario
+from loadtest.sharing import sharing_figures
 from loadtest.stats import RunSummary, summarise
 from loadtest.workload import Conversation, RequestKind, generate, request_count
 
@@ -115,12 +117,15 @@ def _fleet_run(scenario: Scenario, label: str, conversations: tuple[Conversation
             embed = fleet.start_replicas(scenario.fleet.embedding_replicas,
                                          args=replica_args(scenario, embedding=True), name="embedding-replicas")
             backends += embed.urls
-        front = _start_front(fleet, label, backends, gateway_args, instances)
+        state = fleet.start_redis().url if instances.shared and label != SGLANG_ROUTER else None
+        front = _start_front(fleet, label, backends, gateway_args, instances.count, state)
         before = asyncio.run(replica_request_counts(llm.urls))
         progress = Progress(request_count(conversations), f"{scenario.name}/{label}")
         result = asyncio.run(drive(front, conversations, drive_options(scenario, traffic, scenario.fleet.time_scale),
                                    on_done=lambda r: progress.advance(error=r.error is not None)))
         progress.close()
+        if state is not None:
+            print(sharing_figures(front, state, len(result.results)).describe(), file=sys.stderr)
         counts = None
         if label == SGLANG_ROUTER:
             # sglang-router does not relay x-replica-id; count per replica from the replicas' own counters.
@@ -129,12 +134,11 @@ def _fleet_run(scenario: Scenario, label: str, conversations: tuple[Conversation
     return result, counts
 
 
-def _start_front(fleet: Fleet, label: str, backends: list[str], gateway_args: Sequence[str],
-                 instances: Instances) -> list[str]:
+def _start_front(fleet: Fleet, label: str, backends: list[str], gateway_args: Sequence[str], count: int,
+                 state: str | None) -> list[str]:
     if label == SGLANG_ROUTER:
         return [fleet.start_sglang_router(backends, policy="cache_aware").url]
-    state = fleet.start_redis().url if instances.shared else None
-    gateways = fleet.start_gateways(instances.count, backends, args=["--policy", label, *gateway_args], state=state)
+    gateways = fleet.start_gateways(count, backends, args=["--policy", label, *gateway_args], state=state)
     return [gateway.url for gateway in gateways]
 
 
