@@ -54,6 +54,10 @@ class RemoteLoad:
     prefill_tokens: int = 0  # their remaining uncached prompt tokens
     active_blocks: int = 0
 
+    def __add__(self, other: RemoteLoad) -> RemoteLoad:
+        return RemoteLoad(self.in_flight + other.in_flight, self.prefilling + other.prefilling,
+                          self.prefill_tokens + other.prefill_tokens, self.active_blocks + other.active_blocks)
+
 
 class Publisher(Protocol):
     """Where a backend's index changes and health verdicts go for the other gateway instances (`shared_state.py`).

@@ -105,11 +105,6 @@ def decode_load(blob: bytes) -> tuple[int, dict[int, RemoteLoad]]:
     return sequence, loads
 
 
-def add_loads(a: RemoteLoad, b: RemoteLoad) -> RemoteLoad:
-    return RemoteLoad(a.in_flight + b.in_flight, a.prefilling + b.prefilling, a.prefill_tokens + b.prefill_tokens,
-                      a.active_blocks + b.active_blocks)
-
-
 def local_load(backend: Backend, now_s: float) -> RemoteLoad:
     """What this instance has on `backend`, as the others will see it."""
     return RemoteLoad(backend.in_flight, backend.prefilling, round(backend.backlog.remaining_tokens(now_s)),
@@ -170,13 +165,6 @@ class _Link:
 
 
 @dataclass
-class _Tally:
-    published: int = 0
-    applied: int = 0
-    dropped: int = 0
-
-
-@dataclass
 class _Peer:
     sequence: int
     changed_s: float  # time.monotonic() when its sequence last moved
@@ -208,7 +196,7 @@ class SharedState:
         self._forget: list[str] = []  # load fields of stopped instances, deleted at the next flush
         self.warmed_updates: int | None = None  # None until the stream was replayed
         self.last_delay_s: float | None = None
-        self.tally = _Tally()
+        self._registry = registry
         self._published = Counter("gateway_state_published_updates", "Index updates sent to the state store",
                                   registry=registry)
         self._published_bytes = Counter("gateway_state_published_bytes", "Bytes of index updates sent to the "
@@ -259,12 +247,12 @@ class SharedState:
 
     def describe(self) -> dict[str, Any]:
         """For GET /ready: the store's state never makes the gateway unready."""
-        now_s = time.monotonic()
+        now_s, registry = time.monotonic(), self._registry
         return {"store": self._link.shown_url, "up": self._link.up, "instance": self.instance,
                 "warmed_updates": self.warmed_updates, "error": self._link.error,
                 "peers": sum(1 for peer in self._peers.values() if now_s - peer.changed_s <= LOAD_TTL_S),
-                "published_updates": self.tally.published, "applied_updates": self.tally.applied,
-                "dropped_updates": self.tally.dropped,
+                **{f"{name}_updates": int(registry.get_sample_value(f"gateway_state_{name}_updates_total") or 0)
+                   for name in ("published", "applied", "dropped")},
                 "last_apply_delay_ms": None if self.last_delay_s is None else round(self.last_delay_s * 1000, 1)}
 
     # -- reading the stream -----------------------------------------------------------------------------------
@@ -296,7 +284,10 @@ class SharedState:
                 self._link.failed(exc)
                 continue
             self._link.ok()
-            await self._apply_entries(entries, live=True)
+            try:
+                await self._apply_entries(entries, live=True)
+            except Exception:  # one bad entry must not end the sharing
+                logger.exception("applying the state store's updates failed")
 
     async def _read(self, block_ms: int | None) -> list[tuple[bytes, dict[bytes, bytes]]]:
         # RESP2's shape, [[stream, [(id, fields), ...]]]: redis-py's default protocol
@@ -316,7 +307,6 @@ class SharedState:
                 self._delay.observe(age_s)
                 self.last_delay_s = age_s
             await asyncio.sleep(0)  # a long catch-up must not hold requests up
-        self.tally.applied += applied
         self._applied.inc(applied)
         return applied
 
@@ -328,7 +318,10 @@ class SharedState:
             if self._link.came_back:
                 self._link.came_back = False
                 self._republish()
-            await self._flush()
+            try:
+                await self._flush()
+            except Exception:  # a bad load field must not end the sharing
+                logger.exception("exchanging with the state store failed")
 
     async def _flush(self) -> None:
         updates, oldest_s = self._take_pending()
@@ -352,13 +345,11 @@ class SharedState:
             self._expire_peers(now_s)
             return
         self._link.ok()
-        self.tally.published += len(updates)
         self._published.inc(len(updates))
         self._published_bytes.inc(sum(map(len, updates)))
         self._apply_loads(replies[-1], now_s)
 
     def _drop(self, updates: int) -> None:
-        self.tally.dropped += updates
         self._dropped.inc(updates)
 
     def _take_pending(self) -> tuple[list[bytes], float]:
@@ -385,7 +376,7 @@ class SharedState:
         for peer in self._peers.values():
             if now_s - peer.changed_s <= LOAD_TTL_S:
                 for bid, load in peer.loads.items():
-                    totals[bid] = add_loads(totals.get(bid, RemoteLoad()), load)
+                    totals[bid] = totals.get(bid, RemoteLoad()) + load
         for bid, backend in self._by_id.items():
             backend.remote = totals.get(bid, RemoteLoad())
 

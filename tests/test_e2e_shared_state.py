@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -91,13 +93,16 @@ class Traffic(threading.Thread):
         self.gateways = gateways
         self.sent = 0
         self.failed: list[str] = []
+        self.slowest_s = 0.0
         self.stopping = threading.Event()
 
     def run(self) -> None:
         while not self.stopping.is_set():
             gateway = self.gateways[self.sent % len(self.gateways)]
+            started = time.monotonic()
             try:
                 response = chat(gateway, f"group {self.sent % 5}: {SYSTEM}", f"question {self.sent}")
+                self.slowest_s = max(self.slowest_s, time.monotonic() - started)
                 if response.status_code != 200:
                     self.failed.append(f"{response.status_code} {response.text[:200]}")
             except httpx2.HTTPError as exc:
@@ -140,3 +145,22 @@ def test_redis_killed_mid_run_fails_no_request_and_sharing_resumes_when_it_retur
     for gateway in gateways:  # one line when the store went, one when it came back; not one per request
         log = gateway.log_tail(max_chars=100_000)
         assert log.count("unreachable") == 1 and log.count("answers again") == 1
+
+
+def test_a_store_that_stops_answering_delays_no_request(fleet: Fleet) -> None:
+    redis = fleet.start_redis()
+    replicas = fleet.start_replicas(3, args=FAST_REPLICA)
+    gateways = fleet.start_gateways(2, replicas.urls, args=FAST_GATEWAY, state=redis.url)
+    traffic = Traffic([g.url for g in gateways])
+    traffic.start()
+    time.sleep(0.5)
+    os.kill(redis.popen.pid, signal.SIGSTOP)  # accepts connections, answers nothing
+    try:
+        wait_for_store(gateways, up=False)
+        time.sleep(1.0)
+    finally:
+        os.kill(redis.popen.pid, signal.SIGCONT)
+    wait_for_store(gateways, up=True)
+    traffic.stop()
+    assert traffic.failed == [] and traffic.sent > 20
+    assert traffic.slowest_s < 0.5  # the store's 1 s timeout never reached a request
