@@ -277,7 +277,9 @@ class SharedState:
 
     async def _read_loop(self) -> None:
         while True:
-            await asyncio.sleep(self._link.wait_s())
+            if self._link.wait_s() > 0:  # polled, so that reading resumes as soon as the flusher got through
+                await asyncio.sleep(FLUSH_INTERVAL_S)
+                continue
             try:
                 entries = await self._read(block_ms=READ_BLOCK_MS)
             except (RedisError, OSError) as exc:
@@ -314,7 +316,9 @@ class SharedState:
 
     async def _flush_loop(self) -> None:
         while True:
-            await asyncio.sleep(max(FLUSH_INTERVAL_S, self._link.wait_s()))
+            await asyncio.sleep(FLUSH_INTERVAL_S)
+            if self._link.wait_s() > 0:
+                continue  # the buffer waits for the next try, bounded by MAX_PENDING_BYTES
             if self._link.came_back:
                 self._link.came_back = False
                 self._republish()

@@ -54,6 +54,11 @@ Guard rail, with sglang-router's knobs: a backend more than `balance_abs_thresho
 sglang-router's imbalance gate this never throws affinity away fleet-wide: only that backend is skipped.
 `cache_threshold` labels the route: `prefix` when the chosen backend holds the deepest match and it covers at
 least that share of the prompt, `spill` when another backend held more, `least-load` otherwise.
+
+With shared state (`--state`, `shared_state.py`), the in-flight requests, queued prefill and active tokens of
+the other gateway instances (`Backend.remote`, at most a flush old) count as this instance's own; their queued
+requests are then no longer "traffic from elsewhere" in the engine's queue. The indexes hold every instance's
+placements.
 """
 
 from __future__ import annotations
