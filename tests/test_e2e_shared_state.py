@@ -1,7 +1,8 @@
-"""Several gateway processes sharing state through a real redis-server, in front of simulated replicas."""
+"""Several gateway processes (and, for load, in-process instances) sharing state through a real redis-server."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -11,7 +12,10 @@ from typing import Any
 
 import httpx2
 import pytest
+from prometheus_client import CollectorRegistry
 
+from gateway.backends import BackendSpec, Pool, RemoteLoad
+from gateway.shared_state import LOAD_TTL_S, SharedState
 from loadtest.fleet import Fleet, Process, redis_installed, running_fleet
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA
 
@@ -126,7 +130,7 @@ def wait_for_store(gateways: list[Process], up: bool, timeout_s: float = 15.0) -
         time.sleep(0.1)
 
 
-def test_redis_killed_mid_run_fails_no_request_and_sharing_resumes_when_it_returns(fleet: Fleet) -> None:
+def test_redis_killed_mid_run_fails_no_request_and_instances_resynchronise_when_it_returns(fleet: Fleet) -> None:
     redis = fleet.start_redis()
     port = int(redis.url.rsplit(":", 1)[1].split("/")[0])
     replicas = fleet.start_replicas(3, args=FAST_REPLICA)
@@ -137,6 +141,8 @@ def test_redis_killed_mid_run_fails_no_request_and_sharing_resumes_when_it_retur
     redis.kill()
     wait_for_store(gateways, up=False)
     sent_while_down = traffic.sent
+    first, second = gateways
+    during = chat(first.url, f"during the outage: {SYSTEM}", "a question").headers["x-gateway-backend"]
     time.sleep(1.0)
     assert traffic.sent > sent_while_down  # requests kept flowing with the store gone
     assert all(state_of(g.url)[0] == 200 for g in gateways)  # and the gateways stayed ready
@@ -144,8 +150,8 @@ def test_redis_killed_mid_run_fails_no_request_and_sharing_resumes_when_it_retur
     wait_for_store(gateways, up=True)
     traffic.stop()
     assert traffic.failed == [] and traffic.sent > 20
-    first, second = gateways
     time.sleep(1.0)  # the republished indexes applied, so that what counts below is the new placement
+    assert_routed_by_prefix(second.url, f"during the outage: {SYSTEM}", during)  # resynchronised
     owner = place_and_share(first.url, [second.url], f"after the outage: {SYSTEM}")
     assert_routed_by_prefix(second.url, f"after the outage: {SYSTEM}", owner)
     for gateway in gateways:  # one line when the store went, one when it came back; not one per request
@@ -170,3 +176,28 @@ def test_a_store_that_stops_answering_delays_no_request(fleet: Fleet) -> None:
     traffic.stop()
     assert traffic.failed == [] and traffic.sent > 20
     assert traffic.slowest_s < 0.5  # the store's 1 s timeout never reached a request
+
+
+def test_each_instance_counts_the_load_the_others_put_on_a_backend_until_they_stop(fleet: Fleet) -> None:
+    redis = fleet.start_redis()
+    specs = [BackendSpec(f"http://10.0.0.{i}:8000", model="m") for i in range(2)]
+    pools = [Pool(specs, 1000, retry_after_s=1) for _ in range(3)]
+
+    async def run() -> tuple[list[RemoteLoad], list[RemoteLoad]]:
+        states = [SharedState(redis.url, pool, CollectorRegistry()) for pool in pools]
+        for state in states:
+            await state.start()
+        pools[0].backends[1].in_flight = 3
+        pools[1].backends[1].in_flight = 2
+        await asyncio.sleep(0.5)
+        seen = [pools[2].backends[0].remote, pools[2].backends[1].remote]
+        await states[0].stop()
+        await states[1].stop()
+        await asyncio.sleep(LOAD_TTL_S + 0.5)
+        after = [pools[2].backends[0].remote, pools[2].backends[1].remote]
+        await states[2].stop()
+        return seen, after
+
+    seen, after = asyncio.run(run())
+    assert [load.in_flight for load in seen] == [0, 5]
+    assert after == [RemoteLoad(), RemoteLoad()]  # stopped instances' load expired
