@@ -9,6 +9,7 @@ Backend state (health, in-flight, index size) is read from the pool at scrape ti
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -72,8 +73,28 @@ class GatewayMetrics:
                                          "index forgot the evicted part", ["backend"], registry=self.registry)
         self.upstream_errors = Counter("gateway_upstream_errors", "Failed exchanges with a backend, by kind",
                                        ["backend", "kind"], registry=self.registry)
+        self._children: dict[tuple[str, ...], tuple[Any, Any, Any, Any]] = {}
         self.rewritten_spans = Counter("gateway_rewrite_spans", "Volatile spans found near the prompt start",
                                        ["rule", "action"], registry=self.registry)
+
+    def request_done(self, endpoint: str, model: str, backend: str, route: str, status: str,
+                     latency_s: float | None, ttfb_s: float | None, match: float | None) -> None:
+        """One finished request. The labelled children are looked up once per label set, not per request:
+        prometheus-client's `labels()` takes a lock and rebuilds the key each time."""
+        key = (endpoint, model, backend, route, status)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (
+                self.requests.labels(*key), self.upstream_latency.labels(endpoint, backend),
+                self.upstream_ttfb.labels(endpoint, backend), self.prefix_match.labels(model, route))
+        requests, latency, ttfb, prefix_match = children
+        requests.inc()
+        if latency_s is not None:
+            latency.observe(latency_s)
+        if ttfb_s is not None:
+            ttfb.observe(ttfb_s)
+        if match is not None:
+            prefix_match.observe(match)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
