@@ -302,9 +302,13 @@ class SharedState:
             self._last_id = entry_id.decode()
             if fields.get(b"i") == self._id:
                 continue
-            age_s = max(0.0, time.time() - float(fields[b"t"]))
-            for kind, backend, hashes in decode_updates(fields[b"b"]):
-                applied += apply_update(self._by_id, kind, backend, hashes, age_s)
+            try:
+                age_s = max(0.0, time.time() - float(fields[b"t"]))
+                for kind, backend, hashes in decode_updates(fields[b"b"]):
+                    applied += apply_update(self._by_id, kind, backend, hashes, age_s)
+            except (KeyError, ValueError, struct.error) as exc:  # not ours: another program's, or a newer format
+                logger.debug("state store entry %s skipped: %r", self._last_id, exc)
+                continue
             if live:
                 self._delay.observe(age_s)
                 self.last_delay_s = age_s

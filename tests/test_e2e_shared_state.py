@@ -12,10 +12,11 @@ from typing import Any
 
 import httpx2
 import pytest
+import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from gateway.backends import BackendSpec, Pool, RemoteLoad
-from gateway.shared_state import LOAD_TTL_S, SharedState
+from gateway.shared_state import KEY_PREFIX, LOAD_TTL_S, PLACED, SharedState, backend_id, encode_update
 from loadtest.fleet import Fleet, Process, redis_installed, running_fleet
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA
 
@@ -201,3 +202,23 @@ def test_each_instance_counts_the_load_the_others_put_on_a_backend_until_they_st
     seen, after = asyncio.run(run())
     assert [load.in_flight for load in seen] == [0, 5]
     assert after == [RemoteLoad(), RemoteLoad()]  # stopped instances' load expired
+
+
+def test_an_entry_in_another_format_is_skipped_and_the_next_applied(fleet: Fleet) -> None:
+    redis = fleet.start_redis()
+    pool = Pool([BackendSpec("http://10.0.0.1:8000", model="m")], 1000, retry_after_s=1)
+
+    async def run() -> int:
+        writer = aioredis.Redis.from_url(redis.url)
+        stream = KEY_PREFIX + "index"
+        await writer.xadd(stream, {"something": "else"})
+        await writer.xadd(stream, {"i": "other", "t": "1", "b": b"\x01truncated"})
+        await writer.xadd(stream, {"i": "other", "t": repr(time.time()),
+                                   "b": encode_update(PLACED, backend_id("http://10.0.0.1:8000"), [7, 8, 9])})
+        await writer.aclose()
+        state = SharedState(redis.url, pool, CollectorRegistry())
+        await state.start()
+        await state.stop()
+        return pool.backends[0].index.match([7, 8, 9])
+
+    assert asyncio.run(run()) == 3
