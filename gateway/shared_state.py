@@ -112,7 +112,8 @@ def local_load(backend: Backend, now_s: float) -> RemoteLoad:
 
 
 def apply_update(backends: dict[int, Backend], kind: int, backend: int, hashes: Sequence[int], age_s: float) -> bool:
-    """Apply one update another instance published `age_s` ago; False when it names no backend of ours."""
+    """Apply one update another instance published `age_s` ago; False when it names no backend of ours, or is of a
+    kind this version does not know."""
     target = backends.get(backend)
     if target is None:
         return False
@@ -120,10 +121,12 @@ def apply_update(backends: dict[int, Backend], kind: int, backend: int, hashes: 
         target.index.insert(hashes)
     elif kind == CORRECTED:
         target.index.truncate(hashes, 0)
-    elif age_s <= DOWN_VERDICT_MAX_AGE_S:
+    elif kind == DOWN and age_s <= DOWN_VERDICT_MAX_AGE_S:
         target.take_out("another gateway instance marked it down")
-    else:  # an old verdict, replayed: its health is our checks' business now, but its cache was lost then
+    elif kind == DOWN:  # an old verdict, replayed: its health is our checks' business now, its cache was lost then
         target.index.clear()
+    else:  # a kind a newer version publishes
+        return False
     return True
 
 

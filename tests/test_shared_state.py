@@ -76,10 +76,13 @@ def test_a_fresh_down_verdict_takes_the_backend_out_an_old_one_only_clears_its_i
     assert (old.healthy, old.index.size_blocks) == (True, 0)
 
 
-def test_an_update_for_a_backend_this_instance_does_not_have_is_ignored() -> None:
+def test_an_update_for_a_backend_this_instance_does_not_have_or_of_an_unknown_kind_is_ignored() -> None:
     pool = healthy_pool(1)
-    assert not apply_update(by_id(pool), PLACED, backend_id("http://elsewhere"), [1, 2], age_s=0.0)
-    assert pool.backends[0].index.size_blocks == 0
+    backend = pool.backends[0]
+    backend.index.insert([1, 2])
+    assert not apply_update(by_id(pool), PLACED, backend_id("http://elsewhere"), [3, 4], age_s=0.0)
+    assert not apply_update(by_id(pool), 99, backend_id(backend.url), (), age_s=0.0)
+    assert backend.healthy and backend.index.size_blocks == 2
 
 
 class Recorder:
