@@ -44,6 +44,7 @@ from gateway.prompts import Endpoint, parse_json, routing_text, validate_body
 from gateway.relay import Ending, Outcome, Relay, error_for
 from gateway.rewrite import Rewriter, enabled_for
 from gateway.router import Placement, Router
+from gateway.shared_state import shared_state
 from gateway.upstream import Failure, UpstreamClient, UpstreamFailure, UpstreamResponse, log_ignored_proxy_environment
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class Gateway:
         self.router = Router(self.pool, config.routing, config.default_model)
         self.rewriter = Rewriter(config.rewrite)
         self.metrics = GatewayMetrics(self.pool)
+        self.shared = shared_state(config.state, self.pool, self.metrics.registry)
         self.client = UpstreamClient(config.connect_timeout_s, config.first_byte_timeout_s, config.request_timeout_s)
         self.upkeep = Upkeep(self.pool, self.client, config)
         self.admission = Admission(config.max_concurrent_requests, config.max_queue_wait_s)
@@ -265,7 +267,8 @@ class Gateway:
         return web.json_response({"ready": ready, "stopping": self.stopping, "models": self.pool.models(),
                                   "models_without_backend": missing,
                                   "requests": {"in_flight": self.admission.in_flight,
-                                               "waiting": self.admission.waiting}},
+                                               "waiting": self.admission.waiting},
+                                  "state": self.shared.describe()},
                                  status=200 if ready else 503)
 
     async def backends(self, request: web.Request) -> web.Response:
@@ -283,6 +286,7 @@ class Gateway:
         log_ignored_proxy_environment(os.environ)
         await self.client.start()
         await self.upkeep.start()
+        await self.shared.start()  # replays the other instances' placements before serving
 
     async def on_shutdown(self, app: web.Application) -> None:
         """The server has stopped accepting: /ready says so at once, open answers get `shutdown_grace_s` to
@@ -297,6 +301,7 @@ class Gateway:
             relay.stop_for_shutdown()
 
     async def on_cleanup(self, app: web.Application) -> None:
+        await self.shared.stop()
         await self.upkeep.stop()
         await self.client.close()
         if self.log_flusher is not None:

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.backlog import PendingPrefill, PrefillBacklog
 from gateway.engines import Engine, EngineInfo, ModelInfo
@@ -55,6 +55,49 @@ class LoadSignals:
 _AT_ONCE = frozenset({Failure.CONNECT, Failure.FIRST_BYTE_TIMEOUT, Failure.IDLE_TIMEOUT})
 
 
+@dataclass(frozen=True)
+class RemoteLoad:
+    """A backend's load from the other gateway instances sharing state with this one (`shared_state.py`), summed
+    over them; all zero when nothing is shared, so the policies' view is then this instance's alone."""
+
+    in_flight: int = 0
+    prefilling: int = 0  # requests without a first byte yet
+    prefill_tokens: int = 0  # their remaining uncached prompt tokens
+    active_blocks: int = 0
+
+    def __add__(self, other: RemoteLoad) -> RemoteLoad:
+        return RemoteLoad(self.in_flight + other.in_flight, self.prefilling + other.prefilling,
+                          self.prefill_tokens + other.prefill_tokens, self.active_blocks + other.active_blocks)
+
+
+class Publisher(Protocol):
+    """Where a backend's index changes and health verdicts go for the other gateway instances (`shared_state.py`).
+    Every call only appends to a local buffer: it never waits and never fails."""
+
+    def placed(self, backend: Backend, hashes: Sequence[int]) -> None: ...
+
+    def corrected(self, backend: Backend, hashes: Sequence[int], keep_blocks: int) -> None: ...
+
+    def marked_down(self, backend: Backend) -> None: ...
+
+
+class NotShared:
+    """The publisher of a gateway that shares nothing."""
+
+    def placed(self, backend: Backend, hashes: Sequence[int]) -> None:
+        pass
+
+    def corrected(self, backend: Backend, hashes: Sequence[int], keep_blocks: int) -> None:
+        pass
+
+    def marked_down(self, backend: Backend) -> None:
+        pass
+
+
+NOT_SHARED = NotShared()
+NO_REMOTE_LOAD = RemoteLoad()
+
+
 @dataclass(eq=False)
 class Backend:
     spec: BackendSpec
@@ -71,6 +114,8 @@ class Backend:
     outlier: Outlier = field(default_factory=Outlier, repr=False)
     backlog: PrefillBacklog = field(default_factory=PrefillBacklog, repr=False)  # ours, before first byte
     _active_refs: collections.Counter[int] = field(default_factory=collections.Counter, repr=False)
+    remote: RemoteLoad = NO_REMOTE_LOAD  # the other instances' share, with shared state
+    publisher: Publisher = field(default=NOT_SHARED, repr=False)
 
     @property
     def url(self) -> str:
@@ -79,6 +124,12 @@ class Backend:
     @property
     def name(self) -> str:
         return self.spec.name or self.spec.url
+
+    @property
+    def fleet_in_flight(self) -> int:
+        """Requests in flight on the backend from this instance and the others sharing state with it: the
+        policies' view of its load."""
+        return self.in_flight + self.remote.in_flight
 
     @property
     def active_blocks(self) -> int:
@@ -195,7 +246,15 @@ class Backend:
                                    ours_prefilling=self.prefilling)
 
     def _mark_down(self, reason: str) -> None:
-        logger.warning("backend %s marked unhealthy: %s", self.url, reason)
+        if self.healthy:
+            self.publisher.marked_down(self)
+        self.take_out(reason)
+
+    def take_out(self, reason: str) -> None:
+        """Out of rotation, its cache forgotten, without telling the other gateway instances: for a verdict that
+        came from one of them (`shared_state.py`)."""
+        if self.healthy:
+            logger.warning("backend %s marked unhealthy: %s", self.url, reason)
         self.healthy = False
         # An engine that went away and comes back has an empty cache; forget what we thought it held.
         self.index.clear()
@@ -213,7 +272,8 @@ class Backend:
             "name": self.name, "url": self.url, "model": self.model,
             "engine": self.engine.value if self.engine else None, "healthy": self.healthy,
             "ejected": self.outlier.ejected, "outlier": self.outlier.describe(),
-            "in_flight": self.in_flight, "pending_prefill_tokens": self.pending_prefill_tokens,
+            "in_flight": self.in_flight, "remote_in_flight": self.remote.in_flight,
+            "pending_prefill_tokens": self.pending_prefill_tokens,
             "queued_prefill_tokens": round(self.backlog.remaining_tokens(time.monotonic())),
             "prefill_tokens_per_s": self.backlog.tokens_per_s,
             "active_blocks": self.active_blocks,

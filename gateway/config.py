@@ -66,6 +66,7 @@ class GatewayConfig:
     default_model: str | None = None
     log_level: str = "info"
     log_format: str = "text"
+    state: str | None = None  # redis://HOST:PORT/DB shared by several instances (shared_state.py)
 
     def index_capacity_blocks(self, kv_capacity_tokens: int | None) -> int:
         """A backend's prefix-index bound in blocks: `max_tree_size` characters, or less when the share of its KV
@@ -152,6 +153,14 @@ def _fraction(key: str, value: Any) -> float:
     if not 0.0 <= parsed <= 1.0:
         raise ConfigError(f"{key} must be between 0 and 1, got {value!r}")
     return parsed
+
+
+def _store_url(key: str, value: Any) -> str:
+    parts = urlsplit(_str(key, value))
+    db = parts.path.strip("/")
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname or not (db == "" or db.isdigit()):
+        raise ConfigError(f"{key} must be a URL like redis://127.0.0.1:6379/0, got {value!r}")
+    return str(value)
 
 
 class LogLevel(str, Enum):
@@ -278,6 +287,10 @@ OPTIONS: tuple[Option, ...] = (
            "processes serving the port (auto = one per core)", "N"),
     Option("default_model", "", "default_model", _str,
            "model for requests that name none, when several are served"),
+    Option("state", "", "state", _store_url,
+           "Redis (or Valkey) that several gateway instances share routing state through: placements, index "
+           "corrections, load and health verdicts; each still routes on its local view if it is slow or gone",
+           "redis://HOST:PORT/DB"),
     Option("log_level", "", "log_level", lambda key, value: _choice(LogLevel)(key, value).value,
            "log level: debug, info, warning or error"),
     Option("log_format", "", "log_format", lambda key, value: _choice(LogFormat)(key, value).value,

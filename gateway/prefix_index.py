@@ -107,6 +107,20 @@ class PrefixIndex:
             return 0
         return self._remove_subtree(self._nodes[hashes[keep_blocks]])
 
+    def paths(self) -> list[list[int]]:
+        """Every cached prompt as its root-to-leaf hashes, least recently used first: inserted in this order into
+        another index they rebuild this one's content and LRU order (shared_state.py's resynchronisation)."""
+        paths = []
+        for _, key in self._leaves:
+            path = []
+            node: _Node | None = self._nodes[key]
+            while node is not None:
+                path.append(node.key)
+                node = node.parent
+            path.reverse()
+            paths.append(path)
+        return paths
+
     def clear(self) -> None:
         self._nodes.clear()
         self._roots.clear()

@@ -99,17 +99,21 @@ class Placement:
         the next request behind the same prefix still finds its owner. Returns whether the index changed."""
         if reported_cached_tokens >= self.predicted_cached_tokens * EVICTION_EVIDENCE_RATIO:
             return False
-        request, index = self.request, self.backend.index
+        request, backend = self.request, self.backend
         keep_blocks = int(reported_cached_tokens * request.chars_per_token) // request.block_chars
-        forgotten = index.truncate(request.hashes, keep_blocks)
-        record(self.backend, request.hashes)
+        forgotten = backend.index.truncate(request.hashes, keep_blocks)
+        if forgotten:
+            backend.publisher.corrected(backend, request.hashes, keep_blocks)
+        record(backend, request.hashes)
         return forgotten > 0
 
     def unrecord(self) -> None:
         """The request never reached the engine, or the engine rejected it (4xx/5xx): forget the part of its
         prompt the index recorded at decision time, so later requests behind it are not sent here for a hit that
         is not cached (and one rejected giant prompt does not evict the conversations that are)."""
-        self.backend.index.truncate(self.request.hashes, self.decision.matched_blocks)
+        backend, hashes, keep_blocks = self.backend, self.request.hashes, self.decision.matched_blocks
+        if backend.index.truncate(hashes, keep_blocks):
+            backend.publisher.corrected(backend, hashes, keep_blocks)
 
     def finish(self) -> None:
         """Release what was reserved. Without a first byte (failed, timed out, abandoned) the request's time says
@@ -153,5 +157,8 @@ MAX_RECORD_SHARE = 0.25
 
 
 def record(backend: Backend, hashes: Sequence[int]) -> None:
-    """Record that the backend will cache this prompt, as much of it as one request may claim."""
-    backend.index.insert(hashes[: max(1, int(backend.index.capacity_blocks * MAX_RECORD_SHARE))])
+    """Record that the backend will cache this prompt, as much of it as one request may claim, and tell the
+    other gateway instances when state is shared."""
+    claimed = hashes[: max(1, int(backend.index.capacity_blocks * MAX_RECORD_SHARE))]
+    backend.index.insert(claimed)
+    backend.publisher.placed(backend, claimed)

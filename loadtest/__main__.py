@@ -20,7 +20,7 @@ from loadtest.overhead import OverheadConfig, run_overhead
 from loadtest.overhead_report import COLUMNS as OVERHEAD_COLUMNS
 from loadtest.overhead_report import overhead_rows, target_lines
 from loadtest.report import markdown_table, print_report, text_table, write_outputs
-from loadtest.runner import PEERS, Traffic, run_policies, run_target
+from loadtest.runner import PEERS, Instances, Traffic, run_policies, run_target
 from loadtest.scenarios import LoadLevel, Scenario, list_scenarios, load_scenario, with_overrides
 from loadtest.workload import generate, request_count, working_set_tokens
 from loadtest.wrk import wrk_installed
@@ -102,6 +102,10 @@ def add_fleet_arguments(run: argparse.ArgumentParser) -> None:
                        help="wall seconds per simulated second (presets: 8.0); reported times are wall / S")
     fleet.add_argument("--max-running-requests", type=int, default=None, metavar="N",
                        help="per-replica batch cap (default: the replica's, 256)")
+    fleet.add_argument("--instances", type=int, default=1, metavar="N",
+                       help="gateway instances in front of the fleet, each request sent to the next (default 1)")
+    fleet.add_argument("--state", action="store_true",
+                       help="the instances share routing state through one redis-server started for the run")
     fleet.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                        help="extra argument for `gateway serve`, repeatable, e.g. --gateway-arg=--rewrite=off")
 
@@ -164,7 +168,8 @@ def command_run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                                oracle_capacity_tokens=args.oracle_capacity_tokens)]
     else:
         policies = [policy.strip() for policy in args.policies.split(",") if policy.strip()]
-        outcomes = run_policies(scenario, policies, traffic, peer=args.peer, gateway_args=args.gateway_arg)
+        outcomes = run_policies(scenario, policies, traffic, peer=args.peer, gateway_args=args.gateway_arg,
+                                instances=Instances(args.instances, args.state))
     print(print_report(scenario, outcomes))
     if args.out is not None:
         command = "python -m loadtest " + shlex.join(argv)

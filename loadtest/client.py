@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,9 +83,11 @@ def make_client(timeout_s: float = 600.0) -> httpx2.AsyncClient:
                              limits=httpx2.Limits(max_connections=2000, max_keepalive_connections=2000))
 
 
-async def drive(base_url: str, conversations: tuple[Conversation, ...], options: DriveOptions,
+async def drive(base_url: str | Sequence[str], conversations: tuple[Conversation, ...], options: DriveOptions,
                 on_done: Callable[[RequestResult], None] | None = None) -> DriveResult:
-    """Send every turn of every conversation; returns results sorted by dispatch order."""
+    """Send every turn of every conversation; returns results sorted by dispatch order. Several URLs (gateway
+    instances) take the requests in turn, each request to the next, as a round-robin load balancer would."""
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
     state = _State(asyncio.Queue(), time.perf_counter())
     for conversation in conversations:
         state.queue.put_nowait((conversation, 0, ()))
@@ -95,14 +97,15 @@ async def drive(base_url: str, conversations: tuple[Conversation, ...], options:
     tasks: list[asyncio.Task[None]] = []
     async with make_client(options.timeout_s) as client:
         next_at = time.perf_counter()
-        for _ in range(total):
+        for sent in range(total):
             item = await state.queue.get()
             if options.rate_per_s:
                 next_at = max(next_at, time.perf_counter() - 0.1) + rng.expovariate(options.rate_per_s)
                 await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
             if limit is not None:
                 await limit.acquire()
-            tasks.append(asyncio.create_task(_send(client, base_url, item, options, state, limit, on_done)))
+            url = urls[sent % len(urls)]
+            tasks.append(asyncio.create_task(_send(client, url, item, options, state, limit, on_done)))
         await asyncio.gather(*tasks)
     duration = time.perf_counter() - state.start
     return DriveResult(tuple(state.results), tuple(state.sent), duration)

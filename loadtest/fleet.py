@@ -8,6 +8,7 @@ process behind (SIGTERM to the process group, then SIGKILL).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -98,11 +99,12 @@ def start_process(
     argv: Sequence[str],
     urls: Sequence[str],
     *,
-    ready_path: str,
+    ready_path: str | None,
     env: Mapping[str, str] | None = None,
     timeout_s: float = 60.0,
 ) -> Process:
-    """Start `argv` in its own process group and wait until `ready_path` answers 200 at every URL."""
+    """Start `argv` in its own process group and wait until `ready_path` answers 200 at every URL (None: until
+    a Redis server answers PING at the URL's port)."""
     log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
     popen = subprocess.Popen(
         list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -111,7 +113,10 @@ def start_process(
     log.close()
     process = Process(name, list(urls), popen, log.name)
     try:
-        wait_ready(process, [url + ready_path for url in urls], timeout_s)
+        if ready_path is None:
+            wait_redis(process, timeout_s)
+        else:
+            wait_ready(process, [url + ready_path for url in urls], timeout_s)
     except FleetError:
         process.stop()  # its log stays: the error names it
         raise
@@ -140,6 +145,31 @@ def wait_ready(process: Process, ready_urls: Sequence[str], timeout_s: float) ->
             except httpx2.HTTPError:
                 pass
             time.sleep(0.1)
+
+
+def wait_redis(process: Process, timeout_s: float) -> None:
+    port = int(process.url.rsplit(":", 1)[1].split("/")[0])
+    deadline = time.monotonic() + timeout_s
+    while not redis_answers(port):
+        if not process.alive():
+            raise FleetError(f"{process.name} exited with {process.popen.returncode} ({process.log_path}):\n"
+                             f"{process.log_tail()}")
+        if time.monotonic() > deadline:
+            raise FleetError(f"{process.name} not answering after {timeout_s:.0f} s ({process.log_path})")
+        time.sleep(0.05)
+
+
+def redis_answers(port: int) -> bool:
+    try:
+        with socket.create_connection((LOOPBACK, port), timeout=1.0) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def redis_installed() -> bool:
+    return shutil.which("redis-server") is not None
 
 
 def base_url(port: int) -> str:
@@ -177,6 +207,21 @@ class Fleet:
         process = start_process(name, [*argv, *args], [base_url(port)], ready_path=ready_path, env=env)
         self.processes.append(process)
         return process
+
+    def start_redis(self, *, port: int | None = None, name: str = "redis") -> Process:
+        """A private redis-server on loopback, without persistence, for gateway instances sharing state; its URL
+        is `redis://127.0.0.1:PORT/0`. Give the port of a killed one to restart it empty."""
+        port = port or free_port()
+        argv = ["redis-server", "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no"]
+        process = start_process(name, argv, [f"redis://{LOOPBACK}:{port}/0"], ready_path=None, timeout_s=20.0)
+        self.processes.append(process)
+        return process
+
+    def start_gateways(self, count: int, backends: Sequence[str], *, args: Sequence[str] = (),
+                       state: str | None = None) -> list[Process]:
+        """`count` gateway instances in front of the same backends, sharing `state` (a Redis URL) when given."""
+        shared = ["--state", state] if state else []
+        return [self.start_gateway(backends, args=[*args, *shared], name=f"gateway-{i + 1}") for i in range(count)]
 
     def start_sglang_router(self, backends: Sequence[str], *, policy: str = "cache_aware",
                             args: Sequence[str] = ()) -> Process:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from loadtest.fleet import Fleet, running_fleet
 from loadtest.oracle import chat_request, oracle_hit_rate
 from loadtest.progress import Progress
 from loadtest.scenarios import Kind, Scenario
+from loadtest.sharing import sharing_figures
 from loadtest.stats import RunSummary, summarise
 from loadtest.workload import Conversation, RequestKind, generate, request_count
 
@@ -36,6 +38,19 @@ class Traffic:
     request_rate: float | None
     max_concurrency: int | None
     stream: bool = True
+
+
+@dataclass(frozen=True)
+class Instances:
+    """How many gateway instances front the fleet, and whether they share state through one Redis."""
+
+    count: int = 1
+    shared: bool = False
+
+    def label(self, policy: str) -> str:
+        if self.count == 1 and not self.shared:
+            return policy
+        return f"{policy} x{self.count} {'shared' if self.shared else 'alone'}"
 
 
 @dataclass(frozen=True)
@@ -68,7 +83,7 @@ def drive_options(scenario: Scenario, traffic: Traffic, time_scale: float) -> Dr
 
 
 def run_policies(scenario: Scenario, policies: Sequence[str], traffic: Traffic, *, peer: str | None = None,
-                 gateway_args: Sequence[str] = ()) -> list[RunOutcome]:
+                 gateway_args: Sequence[str] = (), instances: Instances = Instances()) -> list[RunOutcome]:
     """One run per policy (and one for the peer), in that order; the oracle is computed once, from run one."""
     conversations = generate(scenario.workload)
     labels: list[str] = list(policies)
@@ -83,17 +98,18 @@ def run_policies(scenario: Scenario, policies: Sequence[str], traffic: Traffic, 
     outcomes: list[RunOutcome] = []
     oracle: float | None = None
     for label in labels:
-        result, counts = _fleet_run(scenario, label, conversations, traffic, gateway_args)
+        result, counts = _fleet_run(scenario, label, conversations, traffic, gateway_args, instances)
         if oracle is None:
             oracle = scenario_oracle(scenario, result)
-        outcomes.append(RunOutcome(summarise(label, result, time_scale=scenario.fleet.time_scale,
+        shown = label if label == SGLANG_ROUTER else instances.label(label)
+        outcomes.append(RunOutcome(summarise(shown, result, time_scale=scenario.fleet.time_scale,
                                              slo=scenario.slo, oracle_hit_rate=oracle, replica_counts=counts),
                                    result))
     return outcomes
 
 
 def _fleet_run(scenario: Scenario, label: str, conversations: tuple[Conversation, ...], traffic: Traffic,
-               gateway_args: Sequence[str]) -> tuple[DriveResult, dict[str, int] | None]:
+               gateway_args: Sequence[str], instances: Instances) -> tuple[DriveResult, dict[str, int] | None]:
     with running_fleet() as fleet:
         llm = fleet.start_replicas(scenario.fleet.replicas, args=replica_args(scenario))
         backends = list(llm.urls)
@@ -101,12 +117,15 @@ def _fleet_run(scenario: Scenario, label: str, conversations: tuple[Conversation
             embed = fleet.start_replicas(scenario.fleet.embedding_replicas,
                                          args=replica_args(scenario, embedding=True), name="embedding-replicas")
             backends += embed.urls
-        front = _start_front(fleet, label, backends, gateway_args)
+        state = fleet.start_redis().url if instances.shared and label != SGLANG_ROUTER else None
+        front = _start_front(fleet, label, backends, gateway_args, instances.count, state)
         before = asyncio.run(replica_request_counts(llm.urls))
         progress = Progress(request_count(conversations), f"{scenario.name}/{label}")
         result = asyncio.run(drive(front, conversations, drive_options(scenario, traffic, scenario.fleet.time_scale),
                                    on_done=lambda r: progress.advance(error=r.error is not None)))
         progress.close()
+        if state is not None:
+            print(sharing_figures(front, state, len(result.results)).describe(), file=sys.stderr)
         counts = None
         if label == SGLANG_ROUTER:
             # sglang-router does not relay x-replica-id; count per replica from the replicas' own counters.
@@ -115,10 +134,12 @@ def _fleet_run(scenario: Scenario, label: str, conversations: tuple[Conversation
     return result, counts
 
 
-def _start_front(fleet: Fleet, label: str, backends: list[str], gateway_args: Sequence[str]) -> str:
+def _start_front(fleet: Fleet, label: str, backends: list[str], gateway_args: Sequence[str], count: int,
+                 state: str | None) -> list[str]:
     if label == SGLANG_ROUTER:
-        return fleet.start_sglang_router(backends, policy="cache_aware").url
-    return fleet.start_gateway(backends, args=["--policy", label, *gateway_args]).url
+        return [fleet.start_sglang_router(backends, policy="cache_aware").url]
+    gateways = fleet.start_gateways(count, backends, args=["--policy", label, *gateway_args], state=state)
+    return [gateway.url for gateway in gateways]
 
 
 _REQUESTS_METRIC = re.compile(r"^sglang:num_requests_total(?:\{[^}]*\})?\s+([0-9.eE+]+)", re.MULTILINE)

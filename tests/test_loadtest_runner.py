@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from loadtest.__main__ import main
-from loadtest.runner import Traffic, run_policies, sglang_router_installed
+from loadtest.fleet import redis_installed
+from loadtest.runner import Instances, Traffic, run_policies, sglang_router_installed
 from loadtest.scenarios import FleetSpec, Kind, LoadRates, Scenario, Slo, Workload
 
 
@@ -40,6 +41,15 @@ def test_two_policies_answer_every_request_and_report_hits() -> None:
         assert 0.0 < summary.hit_rate <= 1.0
         assert summary.oracle_hit_rate is not None and 0.0 < summary.oracle_hit_rate < 1.0
     assert outcomes[0].summary.oracle_hit_rate == outcomes[1].summary.oracle_hit_rate
+
+
+@pytest.mark.skipif(not redis_installed(), reason="redis-server is not installed (apt-get install redis-server)")
+def test_several_instances_sharing_state_answer_every_request_and_report_its_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    (outcome,) = run_policies(tiny_scenario(), ["prefix_aware"], Traffic(request_rate=None, max_concurrency=4),
+                              instances=Instances(2, shared=True))
+    assert outcome.summary.label == "prefix_aware x2 shared"
+    assert outcome.summary.requests == 16 and outcome.summary.errors == 0
+    assert "bytes published per routed request" in capsys.readouterr().err
 
 
 def test_multiturn_rounds_carry_the_real_answers() -> None:

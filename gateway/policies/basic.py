@@ -17,11 +17,11 @@ def decide(backend: Backend, route: Route, request: RoutingRequest) -> Decision:
 
 
 def least_loaded(backends: Sequence[Backend], start: int = 0) -> Backend:
-    """The backend with the fewest in-flight requests; ties go to the first at or after `start` (rotating it
+    """The backend with the fewest in-flight requests (from every instance sharing state); ties go to the first at or after `start` (rotating it
     spreads ties instead of piling them onto the first registered backend)."""
     count = len(backends)
     rotated = [backends[(start + i) % count] for i in range(count)]
-    return min(rotated, key=lambda backend: backend.in_flight)
+    return min(rotated, key=lambda backend: backend.fleet_in_flight)
 
 
 class RoundRobin:
@@ -68,4 +68,4 @@ class PowerOfTwo:
 
     def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
         pair = self._rng.sample(list(backends), 2) if len(backends) > 1 else list(backends)
-        return decide(min(pair, key=lambda backend: backend.in_flight), Route.POWER_OF_TWO, request)
+        return decide(min(pair, key=lambda backend: backend.fleet_in_flight), Route.POWER_OF_TWO, request)

@@ -37,7 +37,7 @@ class CacheAware:
 
     def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
         matches = [backend.index.match(request.hashes) for backend in backends]
-        least = min(range(len(backends)), key=lambda i: backends[i].in_flight)  # first on ties
+        least = min(range(len(backends)), key=lambda i: backends[i].fleet_in_flight)  # first on ties
         if self._imbalanced(backends):
             return Decision(backends[least], Route.IMBALANCE, matches[least])
         deepest = max(matches)
@@ -48,6 +48,6 @@ class CacheAware:
         return Decision(backends[least], Route.LEAST_LOAD, matches[least])
 
     def _imbalanced(self, backends: Sequence[Backend]) -> bool:
-        loads = [backend.in_flight for backend in backends]
+        loads = [backend.fleet_in_flight for backend in backends]
         high, low = max(loads), min(loads)
         return high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold

@@ -54,6 +54,11 @@ Guard rail, with sglang-router's knobs: a backend more than `balance_abs_thresho
 sglang-router's imbalance gate this never throws affinity away fleet-wide: only that backend is skipped.
 `cache_threshold` labels the route: `prefix` when the chosen backend holds the deepest match and it covers at
 least that share of the prompt, `spill` when another backend held more, `least-load` otherwise.
+
+With shared state (`--state`, `shared_state.py`), the in-flight requests, queued prefill and active tokens of
+the other gateway instances (`Backend.remote`, at most a flush old) count as this instance's own; their queued
+requests are then no longer "traffic from elsewhere" in the engine's queue. The indexes hold every instance's
+placements.
 """
 
 from __future__ import annotations
@@ -97,8 +102,8 @@ class PrefixAware:
         uncached = request.uncached_tokens(matched_blocks)
         now_s = time.monotonic()
         cost = (self.queued_prefill(backend, uncached, now_s) + self.affinity_weight * uncached
-                + self.active_weight * request.block_tokens(backend.active_blocks)
-                + self.decode_weight_tokens * backend.in_flight)
+                + self.active_weight * request.block_tokens(backend.active_blocks + backend.remote.active_blocks)
+                + self.decode_weight_tokens * backend.fleet_in_flight)
         if _starts_branch(backend, matched_blocks, request):
             cost += self.held_weight * request.block_tokens(backend.index.size_blocks)
         return cost
@@ -106,10 +111,10 @@ class PrefixAware:
     def queued_prefill(self, backend: Backend, uncached: int, now_s: float) -> float:
         """Our own reserved prefill, plus the engine's queue beyond what we sent (traffic from elsewhere), each
         such request assumed to cost what ours cost on average there (or this one, when none of ours waits)."""
-        queued = backend.backlog.remaining_tokens(now_s)
+        queued = backend.backlog.remaining_tokens(now_s) + backend.remote.prefill_tokens
         signals = backend.signals
         if signals is not None and now_s - signals.read_at_s <= self.metrics_max_age_s:
-            unknown = signals.queued_requests - signals.ours_prefilling
+            unknown = signals.queued_requests - signals.ours_prefilling - backend.remote.prefilling
             if unknown > 0:
                 each = backend.pending_prefill_tokens / backend.prefilling if backend.prefilling else uncached
                 queued += unknown * each
@@ -123,9 +128,9 @@ class PrefixAware:
                                            b.index.size_blocks / b.index.capacity_blocks))
 
     def _not_saturated(self, backends: Sequence[Backend]) -> list[Backend]:
-        low = min(backend.in_flight for backend in backends)
-        return [b for b in backends if not (b.in_flight - low > self.balance_abs_threshold
-                                            and b.in_flight > low * self.balance_rel_threshold)]
+        low = min(backend.fleet_in_flight for backend in backends)
+        return [b for b in backends if not (b.fleet_in_flight - low > self.balance_abs_threshold
+                                            and b.fleet_in_flight > low * self.balance_rel_threshold)]
 
 
 def _starts_branch(backend: Backend, matched_blocks: int, request: RoutingRequest) -> bool:

@@ -1,0 +1,170 @@
+"""Shared state without a store: the encoding, applying other instances' updates, the hooks, the load view, and a
+store that is not there. Against a real Redis: tests/test_e2e_shared_state.py."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry
+
+from gateway.backends import Backend, BackendSpec, Pool, RemoteLoad
+from gateway.policies import PolicyName
+from gateway.policies.basic import LeastLoad
+from gateway.prefix_index import PrefixIndex
+from gateway.router import Router, RoutingConfig
+from gateway.shared_state import (CORRECTED, DOWN, DOWN_VERDICT_MAX_AGE_S, PLACED, SharedState, apply_update,
+                                  backend_id, decode_load, decode_updates, encode_load, encode_update)
+from loadtest.fleet import free_port
+from tests.policy_fixtures import make_backends, request, text
+
+
+def healthy_pool(count: int) -> Pool:
+    pool = Pool([BackendSpec(f"http://b{i}", model="m") for i in range(count)], 10_000, retry_after_s=1)
+    for backend in pool.backends:
+        backend.healthy = True
+    return pool
+
+
+def by_id(pool: Pool) -> dict[int, Backend]:
+    return {backend_id(b.url): b for b in pool.backends}
+
+
+def test_updates_round_trip_through_their_encoding() -> None:
+    hashes = [0, 1, 2**64 - 1, 0x5EED_5EED_5EED_5EED]
+    blob = (encode_update(PLACED, 7, hashes) + encode_update(CORRECTED, 2**32 - 1, hashes[2:3])
+            + encode_update(DOWN, 9))
+    assert list(decode_updates(blob)) == [(PLACED, 7, tuple(hashes)), (CORRECTED, 2**32 - 1, (2**64 - 1,)),
+                                          (DOWN, 9, ())]
+    assert len(encode_update(PLACED, 7, hashes)) == 7 + 8 * len(hashes)  # what a placement costs, in bytes
+
+
+def test_load_round_trips_through_its_encoding() -> None:
+    loads = [(1, RemoteLoad(3, 2, 1500, 40)), (2, RemoteLoad())]
+    assert decode_load(encode_load(42, loads)) == (42, dict(loads))
+
+
+def test_a_remote_placement_lands_in_that_backends_index_only() -> None:
+    pool = healthy_pool(3)
+    prompt = request(text("shared system prompt", 2000))
+    assert apply_update(by_id(pool), PLACED, backend_id("http://b1"), prompt.hashes, age_s=0.0)
+    assert [b.index.match(prompt.hashes) for b in pool.backends] == [0, len(prompt.hashes), 0]
+
+
+def test_a_remote_correction_forgets_from_the_evicted_block_on() -> None:
+    pool = healthy_pool(1)
+    prompt = request(text("conversation", 2000))
+    backend = pool.backends[0]
+    backend.index.insert(prompt.hashes)
+    encoded = encode_update(CORRECTED, backend_id(backend.url), prompt.hashes[10:11])
+    for kind, bid, hashes in decode_updates(encoded):
+        apply_update(by_id(pool), kind, bid, hashes, age_s=0.0)
+    assert backend.index.match(prompt.hashes) == 10
+
+
+def test_a_fresh_down_verdict_takes_the_backend_out_an_old_one_only_clears_its_index() -> None:
+    pool = healthy_pool(2)
+    prompt = request(text("p", 640))
+    for backend in pool.backends:
+        backend.index.insert(prompt.hashes)
+    fresh, old = pool.backends
+    apply_update(by_id(pool), DOWN, backend_id(fresh.url), (), age_s=0.1)
+    apply_update(by_id(pool), DOWN, backend_id(old.url), (), age_s=DOWN_VERDICT_MAX_AGE_S + 1)
+    assert (fresh.healthy, fresh.index.size_blocks) == (False, 0)
+    assert (old.healthy, old.index.size_blocks) == (True, 0)
+
+
+def test_an_update_for_a_backend_this_instance_does_not_have_or_of_an_unknown_kind_is_ignored() -> None:
+    pool = healthy_pool(1)
+    backend = pool.backends[0]
+    backend.index.insert([1, 2])
+    assert not apply_update(by_id(pool), PLACED, backend_id("http://elsewhere"), [3, 4], age_s=0.0)
+    assert not apply_update(by_id(pool), 99, backend_id(backend.url), (), age_s=0.0)
+    assert backend.healthy and backend.index.size_blocks == 2
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, int]] = []
+
+    def placed(self, backend: Backend, hashes: Sequence[int]) -> None:
+        self.calls.append(("placed", backend.url, len(hashes)))
+
+    def corrected(self, backend: Backend, hashes: Sequence[int], keep_blocks: int) -> None:
+        self.calls.append(("corrected", backend.url, keep_blocks))
+
+    def marked_down(self, backend: Backend) -> None:
+        self.calls.append(("down", backend.url, 0))
+
+
+def test_the_router_publishes_placements_corrections_and_down_verdicts() -> None:
+    pool = healthy_pool(2)
+    recorder = Recorder()
+    for backend in pool.backends:
+        backend.publisher = recorder
+    router = Router(pool, RoutingConfig(policy=PolicyName.PREFIX_AWARE))
+    prompt = router.routing_request(text("a long system prompt", 4000))
+    placement = router.place("m", prompt)
+    url, blocks = placement.backend.url, len(prompt.hashes)
+    router.place("m", prompt).learn(reported_cached_tokens=0)  # the backend had evicted it all
+    longer = router.routing_request(text("a long system prompt", 4000) + " and more" * 100)
+    never_sent = router.place("m", longer)
+    never_sent.unrecord()
+    placement.backend.health_check_failed("test", failure_threshold=1)
+    placement.backend.health_check_failed("again", failure_threshold=1)  # already down: nothing new to tell
+    assert recorder.calls == [("placed", url, blocks), ("placed", url, blocks), ("corrected", url, 0),
+                              ("placed", url, blocks), ("placed", url, len(longer.hashes)),
+                              ("corrected", url, blocks), ("down", url, 0)]
+
+
+def test_a_verdict_from_another_instance_is_not_published_again() -> None:
+    backend = healthy_pool(1).backends[0]
+    recorder = Recorder()
+    backend.publisher = recorder
+    backend.take_out("another instance marked it down")
+    assert not backend.healthy and recorder.calls == []
+
+
+def test_policies_count_the_load_other_instances_put_on_a_backend() -> None:
+    backends = make_backends(2)
+    backends[0].in_flight, backends[1].remote = 1, RemoteLoad(in_flight=3)
+    assert LeastLoad().choose(backends, request("x")).backend is backends[0]
+
+
+def test_an_index_rebuilt_from_its_paths_matches_like_the_original() -> None:
+    rng = random.Random(3)
+    original = PrefixIndex(300)
+    prompts = [[rng.randrange(4) for _ in range(rng.randrange(1, 40))] for _ in range(200)]
+    chained = [[hash(tuple(p[:i + 1])) & (2**64 - 1) for i in range(len(p))] for p in prompts]
+    for hashes in chained:
+        original.insert(hashes)
+    rebuilt = PrefixIndex(300)
+    for path in original.paths():
+        rebuilt.insert(path)
+    rebuilt.check_invariants()
+    assert [rebuilt.match(h) for h in chained] == [original.match(h) for h in chained]
+    assert original.paths() == rebuilt.paths()  # the same LRU order
+
+
+def test_without_a_store_routing_goes_on_and_updates_are_dropped_and_counted() -> None:
+    pool = healthy_pool(2)
+    shared = SharedState(f"redis://127.0.0.1:{free_port()}/0", pool, CollectorRegistry())
+
+    async def run() -> dict[str, object]:
+        started = time.monotonic()
+        await shared.start()
+        assert time.monotonic() - started < 2.0
+        router = Router(pool, RoutingConfig())
+        for i in range(5):
+            router.place("m", router.routing_request(text(f"prompt {i}", 1000))).finish()
+        await asyncio.sleep(0.3)
+        described = shared.describe()
+        await shared.stop()
+        return described
+
+    described = asyncio.run(run())
+    assert described["up"] is False and described["warmed_updates"] is None
+    assert described["dropped_updates"] == 5 and described["published_updates"] == 0
+    assert "ConnectionError" in str(described["error"])
