@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx2
 import openai
@@ -25,6 +25,9 @@ pytestmark = pytest.mark.real_engine
 FAST = ["--health-check-interval-secs", "0.2", "--health-check-timeout-secs", "2",
         "--metrics-scrape-interval-secs", "0.1", "--log-level", "warning"]
 BLOCK_TOKENS = 128  # vLLM's KV block on CPU: prefix-cache hits come in multiples of it
+# Random weights may pick the end-of-turn token at any step: greedy, with EOS ignored, every reply is exactly
+# max_tokens long and the same on every run.
+EXACT: dict = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 def system_prompt(topic: str) -> str:
@@ -56,6 +59,12 @@ def total(metrics_text: str, name: str) -> float:
     return sum(value for _, value in samples(metrics_text, name))
 
 
+def cached_tokens(usage: openai.types.CompletionUsage | None) -> int:
+    """What vLLM reported served from its prefix cache (it reports 0, not nothing, on a miss)."""
+    assert usage is not None and usage.prompt_tokens_details is not None
+    return usage.prompt_tokens_details.cached_tokens or 0
+
+
 def gateway_metric(gateway: str, name: str) -> float:
     return total(httpx2.get(gateway + "/metrics", trust_env=False).text, name)
 
@@ -81,20 +90,21 @@ def test_conversation_is_served_from_one_engines_prefix_cache_and_the_gateway_co
     client = client_for(gateway.url)
     messages = [{"role": "system", "content": system_prompt("hardware store")},
                 {"role": "user", "content": "Do you sell hammers?"}]
-    first = client.chat.completions.with_raw_response.create(model=MODEL_ID, messages=messages, max_tokens=8)
+    first = client.chat.completions.with_raw_response.create(model=MODEL_ID, messages=messages, max_tokens=8,
+                                                             **EXACT)
     reply = first.parse()
     backend = first.headers["x-gateway-backend"]
     assert reply.usage is not None and reply.usage.prompt_tokens > 2 * BLOCK_TOKENS
-    reported = [reply.usage.prompt_tokens_details.cached_tokens or 0 if reply.usage.prompt_tokens_details else 0]
+    reported = [cached_tokens(reply.usage)]
 
     for question in ("And nails?", "Which is cheaper?"):
         messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
                      {"role": "user", "content": question}]
-        turn = client.chat.completions.with_raw_response.create(model=MODEL_ID, messages=messages, max_tokens=8)
+        turn = client.chat.completions.with_raw_response.create(model=MODEL_ID, messages=messages, max_tokens=8,
+                                                                **EXACT)
         reply = turn.parse()
         assert turn.headers["x-gateway-backend"] == backend
-        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
-        cached = reply.usage.prompt_tokens_details.cached_tokens or 0
+        cached = cached_tokens(reply.usage)
         # vLLM's own report: every full block of the earlier turns came from its cache.
         assert cached >= 2 * BLOCK_TOKENS and cached % BLOCK_TOKENS == 0
         reported.append(cached)
@@ -111,10 +121,10 @@ def test_streamed_turn_through_the_openai_sdk_reports_cached_tokens(fleet: Fleet
     gateway = fleet.start_gateway([s.url for s in engines], args=FAST)
     client = client_for(gateway.url)
     messages = [{"role": "system", "content": system_prompt("bakery")}, {"role": "user", "content": "Bread?"}]
-    first = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=8)
+    first = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=8, **EXACT)
     messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
                  {"role": "user", "content": "And cake?"}]
-    stream = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=8, stream=True,
+    stream = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=8, stream=True, **EXACT,
                                             stream_options={"include_usage": True})
     chunks = list(stream)
     client.close()
@@ -123,10 +133,28 @@ def test_streamed_turn_through_the_openai_sdk_reports_cached_tokens(fleet: Fleet
     assert text  # random weights say nothing sensible, but they say something
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     usage = chunks[-1].usage
-    assert usage is not None and usage.completion_tokens == 8 and usage.prompt_tokens_details is not None
-    cached = usage.prompt_tokens_details.cached_tokens or 0
+    assert usage is not None and usage.completion_tokens == 8
+    cached = cached_tokens(usage)
     assert cached >= 2 * BLOCK_TOKENS
     assert gateway_metric(gateway.url, "gateway_cached_tokens_total") == cached
+
+
+def backends_when(gateway: str, ready: Callable[[list[dict]], bool], timeout_s: float) -> list[dict]:
+    """GET /backends until `ready` holds of the list or the time is up; the last list read."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        backends = get_json(gateway + "/backends")["backends"]
+        if ready(backends) or time.monotonic() > deadline:
+            return backends
+        time.sleep(0.05)
+
+
+def running(backend: dict) -> float | None:
+    return None if backend["signals"] is None else backend["signals"]["running_requests"]
+
+
+def idle(backend: dict) -> bool:
+    return running(backend) == 0 and backend["signals"]["queued_requests"] == 0
 
 
 def test_vllm_queue_metrics_are_scraped_into_backend_signals(fleet: Fleet, engines: list[VllmServer]) -> None:
@@ -135,38 +163,24 @@ def test_vllm_queue_metrics_are_scraped_into_backend_signals(fleet: Fleet, engin
         for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
             assert samples(text, name), name
     gateway = fleet.start_gateway([s.url for s in engines], args=FAST)
+    assert all(map(idle, backends_when(gateway.url, lambda bs: all(map(idle, bs)), timeout_s=10)))
+
     client = client_for(gateway.url)
-    seen_running: dict[str, float] = {}
-    done = threading.Event()
-
-    def long_generation() -> None:
-        try:
-            client.chat.completions.create(model=MODEL_ID, max_tokens=600, extra_body={"ignore_eos": True},
-                                           messages=[{"role": "user", "content": "Count to a thousand."}])
-        finally:
-            done.set()
-
-    worker = threading.Thread(target=long_generation)
+    # About 5 s of decoding on the tiny model: many scrapes see it running, even on a loaded machine.
+    worker = threading.Thread(target=lambda: client.chat.completions.create(
+        model=MODEL_ID, max_tokens=2000, **EXACT, messages=[{"role": "user", "content": "Count to a thousand."}]))
     worker.start()
-    deadline = time.monotonic() + 60
-    while not done.is_set() and time.monotonic() < deadline and not seen_running:
-        for b in get_json(gateway.url + "/backends")["backends"]:
-            if b["signals"] and b["signals"]["running_requests"] >= 1:
-                seen_running[b["url"]] = b["signals"]["running_requests"]
-        time.sleep(0.05)
+    busy = backends_when(gateway.url, lambda bs: not worker.is_alive() or any(running(b) for b in bs),
+                         timeout_s=120)
     worker.join(timeout=120)
     client.close()
-    assert seen_running, "no backend's signals showed the running request"
+    assert sorted(running(b) or 0.0 for b in busy) == [0.0, 1.0], busy
+    assert all(b["signals"]["queued_requests"] == 0 for b in busy)
+    assert max(b["signals"]["kv_usage"] for b in busy) > 0.0  # the running request holds KV blocks
 
-    # Idle again: every backend's signals say so, read from vllm:* metrics.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        signals = [b["signals"] for b in get_json(gateway.url + "/backends")["backends"]]
-        if all(s and s["running_requests"] == 0 and s["queued_requests"] == 0 for s in signals):
-            break
-        time.sleep(0.1)
-    assert all(s and s["running_requests"] == 0 and s["queued_requests"] == 0 for s in signals), signals
-    assert all(0.0 <= s["kv_usage"] <= 1.0 for s in signals)
+    after = backends_when(gateway.url, lambda bs: all(map(idle, bs)), timeout_s=10)
+    assert all(map(idle, after)), after
+    assert all(0.0 <= b["signals"]["kv_usage"] <= 1.0 for b in after)
 
 
 def test_requests_keep_succeeding_when_an_engine_is_killed_mid_run(fleet: Fleet, engines: list[VllmServer]) -> None:
@@ -179,7 +193,7 @@ def test_requests_keep_succeeding_when_an_engine_is_killed_mid_run(fleet: Fleet,
         if i == 4:
             victim.kill()
         reply = client.chat.completions.with_raw_response.create(
-            model=MODEL_ID, max_tokens=2, messages=[{"role": "user", "content": f"question {i}"}])
+            model=MODEL_ID, max_tokens=2, **EXACT, messages=[{"role": "user", "content": f"question {i}"}])
         assert reply.parse().choices[0].message.role == "assistant"
         served_by.append(reply.headers["x-gateway-backend"])
     client.close()
