@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx2
 import openai
@@ -28,7 +29,7 @@ FAST = ["--health-check-interval-secs", "0.2", "--health-check-timeout-secs", "2
 BLOCK_TOKENS = 128  # vLLM's KV block on CPU: prefix-cache hits come in multiples of it
 # Random weights may pick the end-of-turn token at any step: greedy, with EOS ignored, every reply is exactly
 # max_tokens long and the same on every run.
-EXACT: dict = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+EXACT: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 def system_prompt(topic: str) -> str:

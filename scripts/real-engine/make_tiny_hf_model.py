@@ -8,7 +8,9 @@ model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja), 
 tokenize any text, render chats, fill a KV cache and reuse cached prompt prefixes as a real model would.
 
 Tokenizer: byte-level BPE (GPT-2 style), so any text, newlines and non-ASCII included, tokenizes; its
-merges are learned from the corpus below.
+merges are learned from make_tiny_model.py's corpus (which runs out of merges at about 800 tokens).
+
+Deterministic: the same script and library versions write the same bytes.
 
 Needs: torch, transformers and tokenizers (setup-vllm.sh runs it with vLLM's own venv, which has all three).
 """
