@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.backlog import PendingPrefill, PrefillBacklog
+from gateway.engines import Engine
 from gateway.errors import BadRequest, ModelNotFound, NoHealthyBackend
 from gateway.prefix_index import PrefixIndex
+from gateway.upstream import Failure
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +31,8 @@ class BackendSpec:
     url: str
     model: str | None = None
     capacity_tokens: int | None = None
+    name: str = ""  # what clients are told (x-gateway-backend); the URL stays internal
+    api_key: str | None = None  # sent as Authorization: Bearer to this backend (vLLM's --api-key)
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class Backend:
     index: PrefixIndex
     model: str | None = None
     model_card: dict[str, Any] = field(default_factory=dict)  # the backend's own /v1/models entry
-    engine: str = "unknown"  # "sglang", "vllm", "llama.cpp", ... as discovered
+    engine: Engine | None = None  # None until discovered
     healthy: bool = False
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -63,6 +67,10 @@ class Backend:
     @property
     def url(self) -> str:
         return self.spec.url
+
+    @property
+    def name(self) -> str:
+        return self.spec.name or self.spec.url
 
     @property
     def active_blocks(self) -> int:
@@ -93,10 +101,22 @@ class Backend:
 
     def release(self, hashes: Sequence[int]) -> None:
         self.in_flight = max(0, self.in_flight - 1)
-        self._active_refs.subtract(hashes)
+        refs = self._active_refs
         for block in hashes:
-            if self._active_refs[block] <= 0:
-                self._active_refs.pop(block, None)
+            count = refs[block] - 1
+            if count > 0:
+                refs[block] = count
+            else:
+                refs.pop(block, None)
+
+    def exchange_answered(self, status: int) -> None:
+        """A request got a complete answer from this backend (any status: 4xx is the client's business)."""
+
+    def exchange_failed(self, failure: Failure, detail: str) -> None:
+        """An exchange failed in a way that is this backend's fault. A refused connection takes it out until a
+        health check brings it back."""
+        if failure is Failure.CONNECT:
+            self.mark_down(f"connection failed: {detail}")
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:
@@ -115,7 +135,7 @@ class Backend:
     def describe(self) -> dict[str, Any]:
         """The read-only view served at GET /backends."""
         return {
-            "url": self.url, "model": self.model, "engine": self.engine, "healthy": self.healthy,
+            "name": self.name, "url": self.url, "model": self.model, "engine": self.engine.value if self.engine else None, "healthy": self.healthy,
             "in_flight": self.in_flight, "pending_prefill_tokens": self.pending_prefill_tokens,
             "queued_prefill_tokens": round(self.backlog.remaining_tokens(time.monotonic())),
             "prefill_tokens_per_s": self.backlog.tokens_per_s,

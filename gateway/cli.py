@@ -1,15 +1,17 @@
-"""`prefix-gateway serve` (the gateway) and `prefix-gateway demo` (the gateway in front of simulated replicas)."""
+"""`prefix-gateway serve` (the gateway), `prefix-gateway demo` (the gateway in front of simulated replicas) and
+`prefix-gateway check-config FILE` (validate a config file without starting)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.config import OPTIONS, GatewayConfig, build_config, defaults, load_toml
 from gateway.errors import ConfigError
+from gateway.logs import configure_logging
 
 SERVE_EPILOG = """\
 Every option can also be set in the TOML file given by --config, as a top-level key spelt with underscores
@@ -27,18 +29,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="base URL of an engine replica, e.g. http://127.0.0.1:30001; repeat for each")
     parser.add_argument("--rewrite", choices=["on", "off"], default=argparse.SUPPRESS,
                         help="move volatile IDs off the prompt prefix (default on; [rewrite] table for rules)")
+    parser.add_argument("--api-key-file", metavar="FILE", default=argparse.SUPPRESS,
+                        help="file with client API keys, one per line (added to --api-key)")
     shown = defaults()
     for option in OPTIONS:
         default = shown[option.key]
         parser.add_argument("--" + option.key.replace("_", "-"), dest=option.key, default=argparse.SUPPRESS,
+                            action="append" if option.repeatable else "store",
                             metavar=option.metavar or option.key.split("_")[-1].upper(),
-                            help=f"{option.help} (default: {'none' if default is None else default})")
+                            help=f"{option.help} (default: {_shown_default(default)})")
+
+
+def _shown_default(value: Any) -> str:
+    if value is None or value == ():
+        return "none"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     flags: dict[str, Any] = {key: value for key, value in vars(args).items()
-                             if key not in ("config", "command", "rewrite", "handler")}
+                             if key not in ("config", "command", "rewrite", "handler", "api_key_file")}
     file_values = load_toml(args.config) if args.config else {}
+    extra_keys = api_keys_from(getattr(args, "api_key_file", None), os.environ)
+    if extra_keys:
+        flags["api_key"] = [*file_values.get("api_key", []), *flags.get("api_key", []), *extra_keys]
     if "rewrite" in vars(args):
         table = dict(file_values.get("rewrite", {}))
         table["enabled"] = args.rewrite == "on"
@@ -49,16 +63,25 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return config
 
 
-def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def api_keys_from(path: str | None, environ: Mapping[str, str]) -> list[str]:
+    """Client keys kept out of the command line: one per line in a file, or comma-separated in
+    PREFIX_GATEWAY_API_KEYS."""
+    keys = [key.strip() for key in environ.get("PREFIX_GATEWAY_API_KEYS", "").split(",")]
+    if path:
+        try:
+            with open(path, encoding="utf-8") as file:
+                keys += [line.strip() for line in file if not line.lstrip().startswith("#")]
+        except OSError as exc:
+            raise ConfigError(f"api_key_file {path!r} cannot be read: {exc.strerror}") from None
+    return [key for key in keys if key]
 
-    from gateway.app import create_app
+
+def serve(args: argparse.Namespace) -> int:
+    from gateway.server import serve as run_server
 
     config = config_from_args(args)
-    configure_logging(config.log_level)
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
-                access_log=False, timeout_graceful_shutdown=10)  # gateway.access logs each request instead
-    return 0
+    configure_logging(config.log_level, config.log_format)
+    return run_server(config)
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -68,10 +91,13 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(replicas=args.replicas, port=args.port, time_scale=args.time_scale)
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx2 logs every upstream call at INFO; the access log already says what happened.
-    logging.getLogger("httpx2").setLevel(max(logging.WARNING, logging.getLogger().level))
+def check_config(args: argparse.Namespace) -> int:
+    """Validate a config file as `serve --config FILE` would, without starting; errors exit 2 (see main)."""
+    config = build_config(load_toml(args.file), {})
+    backends = f"{len(config.backends)} backends" if config.backends else "no backends (give --backend when serving)"
+    print(f"{args.file}: valid: policy {config.routing.policy.value}, {backends}, listens on {config.host}:"
+          f"{config.port}, rewrite {'on' if config.rewrite.enabled else 'off'}, log {config.log_format}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                              help="speed of the simulated engines: 1.0 = an 8B model on one H100, "
                                   "0.1 = ten times faster (default: 0.1)")
     demo_parser.set_defaults(handler=demo)
+    check_parser = commands.add_parser("check-config", help="validate a TOML config file without starting")
+    check_parser.add_argument("file", metavar="FILE", help="the TOML file `serve --config` would read")
+    check_parser.set_defaults(handler=check_config)
     return parser
 
 

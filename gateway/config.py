@@ -9,6 +9,7 @@ Values are parsed strictly; a bad one raises `ConfigError` naming the key and th
 
 from __future__ import annotations
 
+import os
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from urllib.parse import urlsplit
 
 from gateway.backends import BackendSpec
 from gateway.errors import ConfigError
+from gateway.headers import Network, parse_networks
 from gateway.policies import PolicyName
 from gateway.rewrite_config import RewriteConfig
 from gateway.router import RoutingConfig
@@ -43,11 +45,25 @@ class GatewayConfig:
     eviction_interval_s: float = 60.0
     metrics_interval_s: float = 0.5
     request_timeout_s: float = 1800.0
+    first_byte_timeout_s: float = 60.0
     connect_timeout_s: float = 5.0
     max_retries: int = 2
     max_body_bytes: int = 32 * 1024 * 1024
+    max_concurrent_requests: int = 1024
+    max_queue_wait_s: float = 10.0
+    client_body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 15.0
+    write_timeout_s: float = 60.0
+    shutdown_grace_s: float = 30.0
+    api_keys: tuple[str, ...] = ()
+    admin_api_keys: tuple[str, ...] = ()
+    forward_client_credentials: bool = False
+    trusted_proxies: tuple[Network, ...] = ()
+    expose_backend_urls: bool = False
+    workers: int = 1
     default_model: str | None = None
     log_level: str = "info"
+    log_format: str = "text"
 
     def index_capacity_blocks(self, kv_capacity_tokens: int | None) -> int:
         """A backend's prefix-index bound in blocks: `max_tree_size` characters, or less when the share of its KV
@@ -84,6 +100,32 @@ def _str(key: str, value: Any) -> str:
     return value
 
 
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ConfigError(f"{key} must be true or false, got {value!r}")
+
+
+def _strings(key: str, value: Any) -> tuple[str, ...]:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(_str(key, item) for item in values)
+
+
+def _networks(key: str, value: Any) -> tuple[Network, ...]:
+    try:
+        return parse_networks(_strings(key, value))
+    except ValueError as exc:
+        raise ConfigError(f"{key} must list IP addresses or networks like 10.0.0.0/8, got {value!r}: {exc}") from None
+
+
+def _workers(key: str, value: Any) -> int:
+    if value == "auto":
+        return os.cpu_count() or 1
+    return _at_least(1, _int)(key, value)
+
+
 def _choice(enum: type[Enum]) -> Callable[[str, Any], Any]:
     def parse(key: str, value: Any) -> Any:
         try:
@@ -117,6 +159,11 @@ class LogLevel(str, Enum):
     ERROR = "error"
 
 
+class LogFormat(str, Enum):
+    TEXT = "text"
+    JSON = "json"
+
+
 @dataclass(frozen=True)
 class Option:
     key: str  # TOML key; the flag is --key-with-dashes
@@ -125,6 +172,7 @@ class Option:
     parse: Callable[[str, Any], Any]
     help: str
     metavar: str | None = None
+    repeatable: bool = False  # a list in TOML; the flag may be given several times
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -175,7 +223,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("health_success_threshold", "health", "success_threshold", _at_least(1, _int),
            "consecutive good checks that bring a backend back"),
     Option("request_timeout_secs", "", "request_timeout_s", _at_least(0.1, _float),
-           "seconds a backend may stay silent (before the first byte or between chunks) before 504"),
+           "seconds a backend may stay silent between chunks, and may take to send a non-streamed answer (engines "
+           "send its headers only when it is complete), before 504"),
+    Option("first_byte_timeout_secs", "", "first_byte_timeout_s", _at_least(0.1, _float),
+           "seconds a backend may take to start a streamed answer (its queue and prefill) before 504; counts as "
+           "the backend's failure"),
     Option("connect_timeout_secs", "", "connect_timeout_s", _at_least(0.1, _float),
            "seconds to open a connection to a backend before trying another"),
     Option("max_retries", "", "max_retries", _at_least(0, _int),
@@ -183,10 +235,43 @@ OPTIONS: tuple[Option, ...] = (
            "backend when there is one)"),
     Option("max_body_bytes", "", "max_body_bytes", _at_least(1024, _int),
            "largest request body accepted, in bytes (413 above)"),
+    Option("max_concurrent_requests", "", "max_concurrent_requests", _at_least(1, _int),
+           "requests relayed at once; more wait (see --max-queue-wait-secs), then get 429"),
+    Option("max_queue_wait_secs", "", "max_queue_wait_s", _at_least(0.0, _float),
+           "seconds a request may wait for a slot before 429 with Retry-After"),
+    Option("client_body_timeout_secs", "", "client_body_timeout_s", _at_least(0.1, _float),
+           "seconds a client may take to send a request body before 400"),
+    Option("keepalive_timeout_secs", "", "keepalive_timeout_s", _at_least(0.1, _float),
+           "seconds a client connection may stay idle, or take to send its first request's headers "
+           "(slow clients are closed)"),
+    Option("write_timeout_secs", "", "write_timeout_s", _at_least(0.1, _float),
+           "seconds a client that stopped reading an answer is given before it is dropped and the backend's "
+           "request cancelled"),
+    Option("shutdown_grace_secs", "", "shutdown_grace_s", _at_least(0.0, _float),
+           "on SIGTERM, seconds open answers get to finish before they end with an error event"),
+    Option("api_key", "", "api_keys", _strings,
+           "client API key (Authorization: Bearer KEY) required on every route but /health and /ready; repeat "
+           "for several; also read from --api-key-file and PREFIX_GATEWAY_API_KEYS (comma-separated)", "KEY",
+           repeatable=True),
+    Option("admin_api_key", "", "admin_api_keys", _strings,
+           "key that alone opens /metrics, /backends and /dashboard (default: any client key does)", "KEY",
+           repeatable=True),
+    Option("forward_client_credentials", "", "forward_client_credentials", _bool,
+           "pass the client's Authorization and Cookie headers to backends (true/false)", "BOOL"),
+    Option("trusted_proxy", "", "trusted_proxies", _networks,
+           "address or network of a proxy in front of the gateway whose X-Forwarded-For is extended, not "
+           "replaced; repeatable", "NET", repeatable=True),
+    Option("expose_backend_urls", "", "expose_backend_urls", _bool,
+           "x-gateway-backend carries the backend's URL instead of its name (true/false)", "BOOL"),
+    Option("workers", "", "workers", _workers,
+           "processes serving the port (auto = one per core)", "N"),
     Option("default_model", "", "default_model", _str,
            "model for requests that name none, when several are served"),
     Option("log_level", "", "log_level", lambda key, value: _choice(LogLevel)(key, value).value,
            "log level: debug, info, warning or error"),
+    Option("log_format", "", "log_format", lambda key, value: _choice(LogFormat)(key, value).value,
+           "log lines as text, or json: one object per line with time, level, logger, message and the fields "
+           "of the record (the access log's request_id, backend, route, match, status, duration_ms, ...)"),
 )
 
 
@@ -244,16 +329,20 @@ def parse_backends(value: Any) -> tuple[BackendSpec, ...]:
     for i, entry in enumerate(value):
         key = f"backends[{i}]"
         table = {"url": entry} if isinstance(entry, str) else dict(_table(key, entry))
-        extra = sorted(set(table) - {"url", "model", "capacity_tokens"})
+        extra = sorted(set(table) - {"url", "model", "capacity_tokens", "name", "api_key"})
         if extra:
             raise ConfigError(f"unknown config key {key}.{extra[0]!r}")
         url = check_url(f"{key}.url", table.get("url"))
         model = _str(f"{key}.model", table["model"]) if "model" in table else None
         capacity = _at_least(1, _int)(f"{key}.capacity_tokens", table["capacity_tokens"]) \
             if "capacity_tokens" in table else None
-        specs.append(BackendSpec(url, model, capacity))
+        name = _str(f"{key}.name", table["name"]) if "name" in table else f"backend-{i + 1}"
+        api_key = _str(f"{key}.api_key", table["api_key"]) if "api_key" in table else None
+        specs.append(BackendSpec(url, model, capacity, name, api_key))
     urls = [spec.url for spec in specs]
-    duplicate = next((url for url in urls if urls.count(url) > 1), None)
+    names = [spec.name for spec in specs]
+    duplicate = next((url for url in urls if urls.count(url) > 1), None) or \
+        next((name for name in names if names.count(name) > 1), None)
     if duplicate:
         raise ConfigError(f"backends lists {duplicate!r} twice")
     return tuple(specs)

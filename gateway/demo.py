@@ -83,6 +83,7 @@ The same from Python (pip install openai):
 
 {sdk_snippet(url)}
 
+Live dashboard: {url}/dashboard
 Also: {url}/v1/models  {url}/backends  {url}/metrics
 The gateway's log (one access line per request): {log_path}
 Ctrl-C stops the gateway and the replicas.

@@ -8,14 +8,28 @@ running and KV usage?".
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from enum import Enum
+from typing import Any, Protocol, TypeGuard
 
-import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
 logger = logging.getLogger(__name__)
+
+
+class Engine(str, Enum):
+    SGLANG = "sglang"
+    VLLM = "vllm"
+    LLAMA_CPP = "llama.cpp"
+    OPENAI_COMPATIBLE = "openai-compatible"  # answers the OpenAI API, reports nothing we can read
+
+
+class Fetcher(Protocol):
+    """What discovery needs of the HTTP client (`upstream.UpstreamClient`): a GET's body, None on any miss."""
+
+    async def get_bytes(self, url: str, timeout_s: float) -> bytes | None: ...
 
 
 @dataclass(frozen=True)
@@ -26,7 +40,7 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    engine: str
+    engine: Engine
     capacity_tokens: int | None
 
 
@@ -46,18 +60,16 @@ LOAD_METRICS = LoadMetricNames(
 )
 
 
-async def get_json(client: httpx2.AsyncClient, url: str, timeout_s: float) -> Any:
+async def get_json(client: Fetcher, url: str, timeout_s: float) -> Any:
     """The JSON a GET returns, or None for any failure (discovery probes are allowed to miss)."""
+    body = await client.get_bytes(url, timeout_s)
     try:
-        response = await client.get(url, timeout=timeout_s)
-        if response.status_code != 200:
-            return None
-        return response.json()
-    except (httpx2.HTTPError, ValueError):
+        return None if body is None else json.loads(body)
+    except ValueError:
         return None
 
 
-async def discover_model(client: httpx2.AsyncClient, url: str, timeout_s: float) -> ModelInfo | None:
+async def discover_model(client: Fetcher, url: str, timeout_s: float) -> ModelInfo | None:
     """The model a backend serves: OpenAI's /v1/models first, SGLang's server info as the fallback."""
     listing = await get_json(client, url + "/v1/models", timeout_s)
     if isinstance(listing, dict) and isinstance(listing.get("data"), list) and listing["data"]:
@@ -69,7 +81,7 @@ async def discover_model(client: httpx2.AsyncClient, url: str, timeout_s: float)
     return ModelInfo(name, {}) if isinstance(name, str) else None
 
 
-async def _sglang_server_info(client: httpx2.AsyncClient, url: str, timeout_s: float) -> dict[str, Any] | None:
+async def _sglang_server_info(client: Fetcher, url: str, timeout_s: float) -> dict[str, Any] | None:
     for path in ("/server_info", "/get_server_info"):  # newer SGLang, then older
         info = await get_json(client, url + path, timeout_s)
         if isinstance(info, dict):
@@ -77,13 +89,13 @@ async def _sglang_server_info(client: httpx2.AsyncClient, url: str, timeout_s: f
     return None
 
 
-async def discover_engine(client: httpx2.AsyncClient, url: str, timeout_s: float) -> EngineInfo:
+async def discover_engine(client: Fetcher, url: str, timeout_s: float) -> EngineInfo:
     info = await _sglang_server_info(client, url, timeout_s)
     if info is not None and _positive_int(info.get("max_total_num_tokens")):
-        return EngineInfo("sglang", info["max_total_num_tokens"])
+        return EngineInfo(Engine.SGLANG, info["max_total_num_tokens"])
     props = await get_json(client, url + "/props", timeout_s)
     if isinstance(props, dict) and isinstance(props.get("default_generation_settings"), dict):
-        return EngineInfo("llama.cpp", _llama_cpp_capacity(props))
+        return EngineInfo(Engine.LLAMA_CPP, _llama_cpp_capacity(props))
     return await _vllm_engine(client, url, timeout_s)
 
 
@@ -96,7 +108,7 @@ def _llama_cpp_capacity(props: dict[str, Any]) -> int | None:
     return None
 
 
-async def _vllm_engine(client: httpx2.AsyncClient, url: str, timeout_s: float) -> EngineInfo:
+async def _vllm_engine(client: Fetcher, url: str, timeout_s: float) -> EngineInfo:
     """vLLM publishes its cache size only as labels of `vllm:cache_config_info`."""
     families = await scrape_metrics(client, url, timeout_s)
     for family in families or []:
@@ -104,18 +116,16 @@ async def _vllm_engine(client: httpx2.AsyncClient, url: str, timeout_s: float) -
             for sample in family.samples:
                 blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
                 if blocks and size and blocks.isdigit() and size.isdigit():
-                    return EngineInfo("vllm", int(blocks) * int(size))
-            return EngineInfo("vllm", None)
-    return EngineInfo("openai-compatible", None)
+                    return EngineInfo(Engine.VLLM, int(blocks) * int(size))
+            return EngineInfo(Engine.VLLM, None)
+    return EngineInfo(Engine.OPENAI_COMPATIBLE, None)
 
 
-async def scrape_metrics(client: httpx2.AsyncClient, url: str, timeout_s: float) -> list[Any] | None:
+async def scrape_metrics(client: Fetcher, url: str, timeout_s: float) -> list[Any] | None:
+    body = await client.get_bytes(url + "/metrics", timeout_s)
     try:
-        response = await client.get(url + "/metrics", timeout=timeout_s)
-        if response.status_code != 200:
-            return None
-        return list(text_string_to_metric_families(response.text))
-    except (httpx2.HTTPError, ValueError):
+        return None if body is None else list(text_string_to_metric_families(body.decode("utf-8", "replace")))
+    except ValueError:
         return None
 
 

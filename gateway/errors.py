@@ -35,6 +35,17 @@ class BadRequest(GatewayError):
     error_type = "invalid_request_error"
 
 
+class Unauthorized(GatewayError):
+    status_code = 401
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str = "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'.") -> None:
+        super().__init__(message, code="invalid_api_key")
+
+    def headers(self) -> dict[str, str]:
+        return {"www-authenticate": "Bearer"}
+
+
 class ModelNotFound(GatewayError):
     status_code = 404
     error_type = "invalid_request_error"
@@ -57,16 +68,45 @@ class UpstreamError(GatewayError):
     error_type = "upstream_error"
 
 
-class NoHealthyBackend(GatewayError):
+class RetryLater(GatewayError):
+    """Refused for now; `Retry-After` says when to come back."""
+
     status_code = 503
     error_type = "service_unavailable"
 
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message, code="no_healthy_backend")
+    def __init__(self, message: str, retry_after_s: int, *, code: str) -> None:
+        super().__init__(message, code=code)
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:
         return {"retry-after": str(self.retry_after_s)}
+
+
+class NoHealthyBackend(RetryLater):
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s, code="no_healthy_backend")
+
+
+class GatewayOverloaded(RetryLater):
+    """The gateway's own resources ran out (file descriptors, memory): nobody's fault but ours."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 1, code="gateway_overloaded")
+
+
+class Overloaded(RetryLater):
+    """More requests in flight than --max-concurrent-requests, for longer than --max-queue-wait-secs."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s, code="too_many_requests")
+
+
+class ShuttingDown(RetryLater):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 1, code="shutting_down")
 
 
 class UpstreamTimeout(GatewayError):

@@ -16,17 +16,16 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-import httpx2
-
 from gateway.backends import Backend, LoadSignals, Pool
 from gateway.config import GatewayConfig
 from gateway.engines import discover_engine, discover_model, read_load, scrape_metrics
+from gateway.upstream import UpstreamClient
 
 logger = logging.getLogger(__name__)
 
 
 class Upkeep:
-    def __init__(self, pool: Pool, client: httpx2.AsyncClient, config: GatewayConfig) -> None:
+    def __init__(self, pool: Pool, client: UpstreamClient, config: GatewayConfig) -> None:
         self.pool = pool
         self.client = client
         self.config = config
@@ -77,13 +76,12 @@ class Upkeep:
                 logger.warning("backend %s is not healthy: %s", backend.url, reason)
 
     async def _probe_health(self, backend: Backend) -> tuple[bool, str]:
-        try:
-            response = await self.client.get(backend.url + "/health", timeout=self.config.health.timeout_s)
-        except httpx2.HTTPError as exc:
-            return False, f"GET /health failed: {exc.__class__.__name__}"
-        if response.is_success:
+        status, failure = await self.client.get_status(backend.url + "/health", self.config.health.timeout_s)
+        if status is None:
+            return False, f"GET /health failed: {failure}"
+        if 200 <= status < 300:
             return True, ""
-        return False, f"GET /health answered {response.status_code}"
+        return False, f"GET /health answered {status}"
 
     async def _discover(self, backend: Backend) -> None:
         timeout_s = self.config.health.timeout_s
@@ -93,15 +91,15 @@ class Upkeep:
                 logger.warning("backend %s now serves %s (was %s)", backend.url, found.model, backend.model)
                 backend.index.clear()
             backend.model = found.model
-            backend.engine = "unknown"  # a new model may be a new engine: look again
+            backend.engine = None  # a new model may be a new engine: look again
         if found is not None:
             backend.model_card = found.card if found.model == backend.model else {}
-        if backend.engine == "unknown":
+        if backend.engine is None:
             engine = await discover_engine(self.client, backend.url, timeout_s)
             backend.engine = engine.engine
             backend.capacity_tokens = backend.spec.capacity_tokens or engine.capacity_tokens
             backend.index.capacity_blocks = self.config.index_capacity_blocks(backend.capacity_tokens)
-            logger.info("backend %s: %s engine, model %s, KV capacity %s tokens", backend.url, backend.engine,
+            logger.info("backend %s: %s engine, model %s, KV capacity %s tokens", backend.url, backend.engine.value,
                         backend.model, backend.capacity_tokens or "unknown")
 
     async def scrape_all(self) -> None:

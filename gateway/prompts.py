@@ -10,6 +10,8 @@ import json
 from enum import Enum
 from typing import Any
 
+import orjson
+
 
 class Endpoint(str, Enum):
     CHAT = "chat"                # POST /v1/chat/completions
@@ -20,6 +22,16 @@ class Endpoint(str, Enum):
     @property
     def generates(self) -> bool:
         return self is not Endpoint.EMBEDDING
+
+
+def parse_json(raw: bytes) -> Any:
+    """JSON as Python's json module reads it, at orjson's speed (3-4x) for every document orjson accepts.
+    orjson refuses a few that json accepts (lone surrogate escapes, integers past 64 bits, NaN, nesting past
+    1,024): those are read by json, so what the gateway accepts does not change."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
 
 
 # Sequences that cannot occur in JSON-decoded text by accident keep role and content boundaries unambiguous.

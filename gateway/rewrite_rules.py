@@ -136,6 +136,7 @@ BUILTIN_RULE_NAMES: tuple[str, ...] = tuple(rule.name for rule in BUILTINS)
 # pass). Matches ending this close to the search end are re-checked on the full text, because a lookahead
 # there could not see the characters that follow.
 MAX_SPAN_CHARS = 512
+_CLEAN_MEMORY = 4096  # windows remembered as clean (at most window_chars + MAX_SPAN_CHARS characters each)
 _LOOKAHEAD_SLACK = 8
 _LEADING_FLAGS = re.compile(r"\A\(\?([aiLmsux]+)\)")
 _HWS = " \t"
@@ -188,10 +189,17 @@ class _Alternation:
 
 # Python's regex engine tries every alternative at every position (~0.3 us per position for the built-ins),
 # too slow for a 2k window on every request. So built-ins are only tried near a *gate*: every built-in span
-# contains a digit in its own run of non-blank characters (uuid, ulid, hex, base64, dates, epochs, and the
-# value of an id_line), or a ':'/'=' at most _KEY_REACH characters after its start on the same line (id_line,
-# billing_header). A gate is found at C speed; only word starts between it and its reach are tried.
-_GATE = re.compile(r"[0-9:=]")
+# but id_line and billing_header lies in a run of at least 10 non-blank characters with a digit (uuid, ulid,
+# hex, base64, dates, epochs), and those two have a ':'/'=' right after a key, at most _KEY_REACH characters
+# after their start on the same line. Gates are found at C speed, so prose with numbers and colons ("Rules:",
+# "9:00", "3 sizes") costs one regex scan; only word starts between a gate and its reach are tried.
+_MIN_RUN = 10
+_GATE = re.compile(
+    # a digit in a run of _MIN_RUN or more non-blank characters (itself and k before it, the rest after it)
+    "[0-9](?:" + "|".join(rf"(?<=\S{{{k + 1}}})(?=\S{{{_MIN_RUN - 1 - k}}})" for k in range(_MIN_RUN)) + ")"
+    # or a ':'/'=' after a letter that ends an id_line or billing_header key (id, key, token, session, trace,
+    # stamp, buster, header, ...) or after a blank (keys may be followed by blanks)
+    r"|[:=](?<=[dDhHyYnNeEpPrR \t][:=])")
 _BLANK = re.compile(r"\s")
 _WORD_STARTS = re.compile(r"(?<!\w)(?=\S)")  # every built-in needs a non-word character before it
 _KEY_REACH = 48
@@ -206,6 +214,8 @@ class RuleSet:
         builtin = [rule for rule in self.rules if rule.builtin]
         self._custom = _Alternation(custom) if custom else None
         self._builtin = _Alternation(builtin) if builtin else None
+        # Windows of text known to hold nothing: a shared system prompt is searched once, not per request.
+        self._clean: set[tuple[int, str]] = set()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -213,6 +223,17 @@ class RuleSet:
 
     def rewrite(self, text: str, budget: int, can_move: bool) -> TextRewrite:
         """Act on every span starting within ``budget`` characters of the text as rewritten."""
+        searched = (budget, text[:budget + MAX_SPAN_CHARS])  # all that decides whether anything is found
+        if searched in self._clean:
+            return TextRewrite(text, (), (), False)
+        result = self._rewrite(text, budget, can_move)
+        if not result.hits:
+            if len(self._clean) >= _CLEAN_MEMORY:
+                self._clean.clear()
+            self._clean.add(searched)
+        return result
+
+    def _rewrite(self, text: str, budget: int, can_move: bool) -> TextRewrite:
         spans: list[tuple[int, int]] = []
         moved: list[str] = []
         hits: list[SpanHit] = []

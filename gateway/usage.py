@@ -8,9 +8,11 @@ the last `meta_info` of SGLang's `/generate` stream.
 
 from __future__ import annotations
 
-import json
+import zlib
 from dataclasses import dataclass
 from typing import Any
+
+from gateway.prompts import parse_json
 
 _USAGE_MARKERS = (b'"usage"', b'"meta_info"', b'"timings"')
 
@@ -51,14 +53,28 @@ def _llama_cpp_cached(payload: dict[str, Any]) -> int | None:
 
 
 class UsageTap:
-    def __init__(self, streaming: bool, max_body_bytes: int = 8 * 1024 * 1024) -> None:
+    """Reads what the engine sent: a body the client asked to have gzip- or deflate-encoded is decoded for the
+    tap only (the client gets the bytes as they came); other encodings are not read."""
+
+    def __init__(self, streaming: bool, content_encoding: str | None = None,
+                 max_body_bytes: int = 8 * 1024 * 1024) -> None:
         self._streaming = streaming
+        encoding = (content_encoding or "identity").strip().lower()
+        self._decoder = zlib.decompressobj(wbits=47) if encoding in ("gzip", "x-gzip", "deflate") else None
+        self._readable = self._decoder is not None or encoding == "identity"
         self._max_body_bytes = max_body_bytes
         self._buffer = bytearray()
         self._last_usage_event = b""
         self._body_too_big = False
 
     def feed(self, chunk: bytes) -> None:
+        if self._decoder is not None:
+            try:
+                chunk = self._decoder.decompress(chunk, self._max_body_bytes)
+            except zlib.error:
+                self._decoder, self._readable = None, False
+        if not self._readable:
+            return
         if not self._streaming:
             if not self._body_too_big:
                 self._buffer += chunk
@@ -80,6 +96,8 @@ class UsageTap:
                 return
 
     def usage(self) -> Usage | None:
+        if not self._readable:
+            return None
         if not self._streaming:
             return usage_from(_loads(bytes(self._buffer)))
         for line in self._last_usage_event.splitlines():
@@ -90,6 +108,6 @@ class UsageTap:
 
 def _loads(data: bytes) -> Any:
     try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+        return parse_json(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None

@@ -169,7 +169,9 @@ class Fleet:
                       ready_path: str = "/ready", port: int | None = None) -> Process:
         """The gateway in front of `backends`; `ready_path="/health"` for one that is not meant to be ready."""
         port = port or free_port()
-        argv = [sys.executable, "-m", "gateway", "serve", "--host", LOOPBACK, "--port", str(port)]
+        # Tests and benchmarks compare x-gateway-backend with the replicas' URLs.
+        argv = [sys.executable, "-m", "gateway", "serve", "--host", LOOPBACK, "--port", str(port),
+                "--expose-backend-urls", "true"]
         for backend in backends:
             argv += ["--backend", backend]
         process = start_process(name, [*argv, *args], [base_url(port)], ready_path=ready_path, env=env)

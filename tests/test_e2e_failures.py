@@ -121,7 +121,7 @@ def test_connection_closed_before_the_answer_is_retried_on_the_only_backend(flee
         response = ask(gateway)
         assert response.status_code == 200, response.text
         assert proxy.drops_left == 0
-        assert metric(gateway, "gateway_upstream_errors_total", kind="unreachable") == 1
+        assert metric(gateway, "gateway_upstream_errors_total", kind="broken_before_answer") == 1
         # The client saw one answer, so one request is counted, not a failed attempt beside it.
         assert metric(gateway, "gateway_requests_total") == 1
         assert metric(gateway, "gateway_requests_total", status="200") == 1

@@ -1,0 +1,43 @@
+"""Logging set-up: one handler on the root logger, in text (the default) or JSON lines (`--log-format json`).
+
+A JSON line is one object: `time` (ISO 8601, UTC), `level`, `logger`, `message`, then every field the call passed
+with `extra=` (the access log passes request_id, backend, route, match, status, duration_ms, ...), and
+`exception` with the traceback when there is one. Values JSON cannot hold are written as their `str()`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import sys
+from typing import Any
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Attributes every LogRecord has; anything else in a record's __dict__ came from `extra=`.
+_STANDARD_ATTRIBUTES = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+                                     .isoformat(timespec="milliseconds"),
+            "level": record.levelname, "logger": record.name, "message": record.getMessage(),
+        }
+        entry.update((key, value) for key, value in record.__dict__.items() if key not in _STANDARD_ATTRIBUTES)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def configure_logging(level: str, log_format: str = "text") -> None:
+    """Send every logger's records at `level` and above to stderr, as text lines or JSON lines."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    # httpx2 logs every upstream call at INFO; the access log already says what happened.
+    logging.getLogger("httpx2").setLevel(max(logging.WARNING, logging.getLogger().level))
+

@@ -1,0 +1,114 @@
+"""Serving the app: aiohttp's server, one process per worker, all on one port.
+
+aiohttp serves the gateway (it replaced uvicorn and Starlette here; README, "Overhead" has the measurement).
+What it gives a gateway that must not be knocked over by its clients: header lines and fields capped at 8 KiB
+and 128 headers (400 above), a connection that has not completed a request within the keep-alive timeout is
+closed (slow-header clients cannot hold it), a client that leaves cancels its handler (and so the backend's
+request), and a shutdown that stops accepting, runs `Gateway.on_shutdown` (the grace period), then cancels
+what is left. Several workers share the port with SO_REUSEPORT; the kernel spreads connections over them.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import resource
+import signal
+import time
+from types import FrameType
+
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+
+logger = logging.getLogger(__name__)
+
+_RESPAWN_PAUSE_S = 1.0
+
+
+def raise_open_file_limit() -> int:
+    """Lift the soft limit on open files to the hard one: each relayed request holds two sockets, and the
+    usual soft limit of 1,024 would cap the gateway at a few hundred concurrent requests."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return soft
+        return hard
+    return soft
+
+
+def serve_worker(config: GatewayConfig, reuse_port: bool) -> None:
+    """Run one gateway process until SIGTERM or SIGINT."""
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:  # uvloop is optional off CPython/Linux; asyncio's loop works, only slower
+        pass
+    open_files = raise_open_file_limit()
+    if open_files < 2 * config.max_concurrent_requests + 64:
+        logger.warning("open-file limit %d is low for --max-concurrent-requests %d (each request holds two "
+                       "sockets)", open_files, config.max_concurrent_requests)
+
+    def ready(_: str) -> None:
+        logger.info("gateway listening on http://%s:%d: policy %s, %d backends", config.host, config.port,
+                    config.routing.policy.value, len(config.backends))
+
+    web.run_app(create_app(config), host=config.host, port=config.port, reuse_port=reuse_port or None,
+                access_log=None, print=ready, handler_cancellation=True,
+                keepalive_timeout=config.keepalive_timeout_s, shutdown_timeout=config.shutdown_grace_s + 5)
+
+
+def serve(config: GatewayConfig) -> int:
+    if config.workers == 1:
+        serve_worker(config, reuse_port=False)
+        return 0
+    return Supervisor(config).run()
+
+
+class Supervisor:
+    """Starts `config.workers` processes on one port, replaces one that dies, and passes SIGTERM/SIGINT on."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.context = multiprocessing.get_context("spawn")  # each worker builds its own loop and state
+        self.workers: list[multiprocessing.process.BaseProcess] = []
+        self.stopping = False
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        self.workers = [self._start(index) for index in range(self.config.workers)]
+        logger.info("started %d workers on port %d", len(self.workers), self.config.port)
+        while not self.stopping:
+            time.sleep(0.2)
+            for index, worker in enumerate(self.workers):
+                if not worker.is_alive() and not self.stopping:
+                    logger.error("worker %d (pid %s) exited with %s; starting another", index, worker.pid,
+                                 worker.exitcode)
+                    time.sleep(_RESPAWN_PAUSE_S)
+                    self.workers[index] = self._start(index)
+        for worker in self.workers:
+            worker.join(self.config.shutdown_grace_s + 10)
+        return 0
+
+    def _start(self, index: int) -> multiprocessing.process.BaseProcess:
+        worker = self.context.Process(target=_worker_main, args=(self.config,),
+                                      name=f"gateway-worker-{index}", daemon=False)
+        worker.start()
+        return worker
+
+    def _stop(self, signum: int, frame: FrameType | None) -> None:
+        self.stopping = True
+        for worker in self.workers:
+            if worker.is_alive():
+                worker.terminate()  # SIGTERM: the worker drains as a single process would
+
+
+def _worker_main(config: GatewayConfig) -> None:
+    from gateway.logs import configure_logging
+
+    configure_logging(config.log_level, config.log_format)
+    serve_worker(config, reuse_port=True)
