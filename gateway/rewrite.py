@@ -8,8 +8,10 @@ What is searched (the *head*): in a chat, the system and developer messages and 
 and including that first user message (``content`` as a string, or the ``text`` of ``{"type": "text"}``
 parts; other parts are never touched); a completion ``prompt`` or a ``/generate`` ``text`` (a string, or each
 string of a list — every string of a list is a separate prompt of a batch, with its own window and trailer;
-token-id lists and ``input_ids`` are never touched). Embedding requests are never rewritten: it would change
-the vector.
+token-id lists and ``input_ids`` are never touched). An Anthropic Messages request is searched as a chat whose
+first message is its ``system`` (a string, or its text blocks): Claude Code's billing header, a text block of
+its own at the top of ``system``, is what the ``billing_header`` rule is for. Embedding requests are never
+rewritten: it would change the vector. Responses API requests are not rewritten (yet).
 
 The window: only spans that *start* within the first ``window_chars`` characters (default 2048) of the prompt
 text are acted on, counting the text of the head's messages in order (non-searched messages in the head, such
@@ -134,6 +136,10 @@ class Rewriter:
             return RewriteResult(None, ())
         if endpoint is Endpoint.CHAT:
             return self._rewrite_chat(body)
+        if endpoint is Endpoint.MESSAGES:
+            return self._rewrite_messages(body)
+        if endpoint is Endpoint.RESPONSES:
+            return RewriteResult(None, ())
         return self._rewrite_prompts(body, "prompt" if endpoint is Endpoint.COMPLETION else "text")
 
     def _rewrite_prompts(self, body: Mapping[str, Any], key: str) -> RewriteResult:
@@ -174,6 +180,17 @@ class Rewriter:
         new_body = dict(body)
         new_body["messages"] = _apply(messages, changes)
         return RewriteResult(new_body, tuple(hits))
+
+    def _rewrite_messages(self, body: Mapping[str, Any]) -> RewriteResult:
+        """Anthropic's blocks are shaped as chat's text parts, so its `system` is searched as a system message."""
+        system, messages = body.get("system"), body.get("messages")
+        if system is None or not isinstance(messages, list):
+            return self._rewrite_chat(body)
+        result = self._rewrite_chat({"messages": [{"role": "system", "content": system}, *messages]})
+        if result.body is None:
+            return result
+        rewritten = result.body["messages"]
+        return RewriteResult({**body, "system": rewritten[0]["content"], "messages": rewritten[1:]}, result.hits)
 
     def _rewrite_texts(self, texts: list[str], searchable: list[bool],
                        can_move: bool) -> tuple[list[str], list[str], list[SpanHit]]:
