@@ -47,7 +47,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.policies import RoutingRequest
 from gateway.prompts import Endpoint, multipart_fields, parse_json, routing_text, validate_body
 from gateway.relay import Ending, Outcome, Relay, error_for
-from gateway.responses import ResponseOwners, response_id_of
+from gateway.responses import ResponseOwners, locate, response_id_of
 from gateway.rewrite import Rewriter, enabled_for
 from gateway.router import Placement, Router
 from gateway.upstream import Failure, UpstreamClient, UpstreamFailure, UpstreamResponse, log_ignored_proxy_environment
@@ -143,7 +143,7 @@ class Gateway:
             body = multipart_fields(raw, request.headers.get("content-type", ""))
         model = self.router.resolve_model(body.get("model"))
         request["model"] = model
-        owner = self.owner_of(body.get("previous_response_id"), "previous_response_id") \
+        owner = await self.owner_of(body.get("previous_response_id"), "previous_response_id", model) \
             if endpoint is Endpoint.RESPONSES else None
         return Exchange(endpoint, request.method, request.path, body, raw, model, body.get("stream") is True,
                         request_id_, time.monotonic(), owner=owner)
@@ -152,18 +152,25 @@ class Gateway:
         request_id_ = client_request_id(request.headers, os.urandom(16).hex())
         request["request_id"] = request_id_
         raw = await self.read_body(request)
-        owner = self.owner_of(request.match_info["response_id"], None)
+        owner = await self.owner_of(request.match_info["response_id"], None, None)
         model = owner.model if owner is not None and owner.model else self.router.resolve_model(None)
         request["model"] = model
         return Exchange(Endpoint.RESPONSES, request.method, request.path, {}, raw, model,
                         request.query.get("stream") == "true", request_id_, time.monotonic(), owner=owner)
 
-    def owner_of(self, response_id: Any, param: str | None) -> Backend | None:
-        """The backend holding a stored response, None when the gateway does not know it; raises
+    async def owner_of(self, response_id: Any, param: str | None, model: str | None) -> Backend | None:
+        """The backend holding a stored response (of `model`, if given), None when none is known to; raises
         StoredResponseUnavailable when that backend is not healthy (no other one holds the response)."""
         if not isinstance(response_id, str):
             return None
         owner = self.responses.owner(response_id)
+        if owner is None:
+            candidates = [b for b in self.pool.backends if b.healthy and (model is None or b.model == model)]
+            if len(candidates) < 2:  # routing finds the one there is
+                return None
+            owner = await locate(self.client, candidates, response_id, self.config.health.timeout_s)
+            if owner is not None:
+                self.responses.remember(response_id, owner)
         if owner is None or owner.healthy:
             return owner
         raise StoredResponseUnavailable(response_id, owner.url if self.config.expose_backend_urls else owner.name,
@@ -204,9 +211,10 @@ class Gateway:
             backend = placement.backend
             headers = forwarded_headers(request.headers, exchange.request_id, request.remote, self.header_policy,
                                         backend.spec.api_key)
+            timeout_s = None if exchange.streaming else self.config.request_timeout_s
             try:
-                upstream = await self.client.open(exchange.method, backend.url + request.path_qs, exchange.raw, headers,
-                                                  None if exchange.streaming else self.config.request_timeout_s)
+                upstream = await self.client.open(exchange.method, backend.url + request.path_qs, exchange.raw,
+                                                  headers, timeout_s)
             except UpstreamFailure as exc:
                 if not self.retry_after(placement, exchange, exc, len(tried)):
                     raise (GatewayOverloaded(f"The gateway ran out of resources ({exc.detail}).")
@@ -296,8 +304,8 @@ class Gateway:
                                   now_s - placement.placed_s, outcome.ttfb_s, placement.match_fraction)
         if outcome.error and outcome.ending is not Ending.CLIENT_GONE:
             self.metrics.upstream_errors.labels(backend.url, outcome.error).inc()
-        log_access(exchange.method, exchange.path, exchange.model, backend.url, route, placement.match_fraction, outcome.label,
-                   outcome.error, now_s - exchange.started_s, exchange.request_id)
+        log_access(exchange.method, exchange.path, exchange.model, backend.url, route, placement.match_fraction,
+                   outcome.label, outcome.error, now_s - exchange.started_s, exchange.request_id)
 
     def record_usage(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
         usage = outcome.usage
@@ -318,8 +326,9 @@ class Gateway:
         model = request.get("model", "")
         self.metrics.request_done(endpoint.value if endpoint else "other", model, "", "", str(error.status_code),
                                   None, None, None)
-        log_access(request.method, request.path, model, "", "", 0.0, str(error.status_code), error.code or error.error_type,
-                   time.monotonic() - request["started_s"], request.get("request_id", ""))
+        log_access(request.method, request.path, model, "", "", 0.0, str(error.status_code),
+                   error.code or error.error_type, time.monotonic() - request["started_s"],
+                   request.get("request_id", ""))
 
     # -- read-only endpoints ----------------------------------------------------------------------------
 
@@ -388,8 +397,8 @@ def endpoint_of(request: web.Request) -> Endpoint | None:
     return Endpoint.RESPONSES if "response_id" in request.match_info else None
 
 
-def log_access(method: str, path: str, model: str, backend: str, route: str, match: float, status: str, error: str | None,
-               duration_s: float, request_id_: str) -> None:
+def log_access(method: str, path: str, model: str, backend: str, route: str, match: float, status: str,
+               error: str | None, duration_s: float, request_id_: str) -> None:
     """One line per request. The record is made and handed over directly: `Logger.info` would also walk the
     stack to find its caller, a third of a log line's cost, and the caller is always this function."""
     if not access_log.isEnabledFor(logging.INFO):

@@ -7,18 +7,26 @@ event that carries usage: `response.completed`, or `response.created` when the s
 remembers its backend here; requests naming the id go there while it is healthy (`Gateway.owner_of`).
 
 The map is bounded in entries and in age, oldest first (every entry lives the same `ttl_s`, so the oldest is
-always at the front and expiry is a pop from the left). An id the gateway does not know (made before a
-restart, by another worker, or forgotten) is routed as any request would be, and the engine answers for it.
+always at the front and expiry is a pop from the left). An id this process does not know (made through another
+`--workers` process, before a restart, or forgotten) is looked for (`locate`): every healthy candidate is asked
+`GET /v1/responses/{id}` at once, and the first to answer 200 holds it. Found nowhere, the request is routed as
+any other would be, and an engine answers for the id.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import quote
 
 from gateway.backends import Backend
+from gateway.upstream import UpstreamClient, UpstreamFailure
+
+logger = logging.getLogger(__name__)
 
 
 class ResponseOwners:
@@ -64,3 +72,33 @@ def response_id_of(payload: Any) -> str | None:
     response = inner if isinstance(inner, dict) else payload
     found = response.get("id")
     return found if isinstance(found, str) and found else None
+
+
+async def locate(client: UpstreamClient, backends: Sequence[Backend], response_id: str,
+                 timeout_s: float) -> Backend | None:
+    """The backend among `backends` that answers 200 to `GET /v1/responses/{id}`, or None."""
+    path = "/v1/responses/" + quote(response_id, safe="")
+
+    async def holds(backend: Backend) -> Backend | None:
+        headers = [("Authorization", f"Bearer {backend.spec.api_key}")] if backend.spec.api_key else []
+        try:
+            answer = await client.open("GET", backend.url + path, b"", headers, timeout_s)
+        except UpstreamFailure:
+            return None
+        answer.close()  # the status is the answer; the body is not needed
+        return backend if answer.status == 200 else None
+
+    asks = [asyncio.ensure_future(holds(backend)) for backend in backends]
+    try:
+        async with asyncio.timeout(timeout_s):
+            for asked in asyncio.as_completed(asks):
+                if (found := await asked) is not None:
+                    logger.info("stored response %s found on backend %s", response_id, found.url)
+                    return found
+    except TimeoutError:
+        pass
+    finally:
+        for ask in asks:
+            ask.cancel()
+        await asyncio.gather(*asks, return_exceptions=True)
+    return None

@@ -1,5 +1,6 @@
-"""How the simulated replica reads request bodies and shapes its answers: OpenAI's (or Anthropic's) error body, prompt fields
-(text or token ids), SSE lines, usage with cached tokens, and the `x-replica-id` header on every response.
+"""How the simulated replica reads request bodies and shapes its answers: OpenAI's error body (Anthropic's on
+its Messages API), prompt fields (text or token ids), SSE lines, usage with cached tokens, and the
+`x-replica-id` header on every response.
 
 Kept apart from the handlers in `loadtest/replica.py` so each reads as what it does with a request, not how.
 """

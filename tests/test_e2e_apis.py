@@ -111,6 +111,18 @@ def test_stored_responses_are_retrieved_deleted_and_cancelled_at_their_owner(api
         client.responses.retrieve(ids[0])
 
 
+def test_a_gateway_process_that_did_not_see_a_response_finds_its_replica(apis: ApiFleet) -> None:
+    # The second gateway stands for another --workers process, or this one after a restart.
+    made = apis.openai().responses.with_raw_response.create(model=MODEL, input="Made through the first.",
+                                                            max_output_tokens=2)
+    other = apis.openai(apis.round_robin)
+    follow_up = other.responses.with_raw_response.create(model=MODEL, input="Continued through the second.",
+                                                         previous_response_id=made.parse().id, max_output_tokens=2)
+    assert follow_up.headers["x-gateway-route"] == "owner"
+    assert follow_up.headers["x-gateway-backend"] == made.headers["x-gateway-backend"]
+    assert other.responses.retrieve(follow_up.parse().id).previous_response_id == made.parse().id
+
+
 def test_a_follow_up_whose_replica_is_gone_gets_a_clear_error(fleet: Fleet) -> None:
     replicas = [fleet.start_replica(args=FAST_REPLICA, name=f"replica-{i}") for i in range(2)]
     gateway = fleet.start_gateway([replica.url for replica in replicas], args=FAST_GATEWAY)
