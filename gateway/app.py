@@ -91,6 +91,7 @@ class Exchange:
     started_s: float
     rewritten_spans: int = 0
     owner: Backend | None = None  # the one backend that can serve it: it holds the stored response named
+    stored_id: str | None = None  # GET, DELETE or cancel of this stored response
 
 
 class Gateway:
@@ -152,11 +153,13 @@ class Gateway:
         request_id_ = client_request_id(request.headers, os.urandom(16).hex())
         request["request_id"] = request_id_
         raw = await self.read_body(request)
-        owner = await self.owner_of(request.match_info["response_id"], None, None)
+        stored_id = request.match_info["response_id"]
+        owner = await self.owner_of(stored_id, None, None)
         model = owner.model if owner is not None and owner.model else self.router.resolve_model(None)
         request["model"] = model
         return Exchange(Endpoint.RESPONSES, request.method, request.path, {}, raw, model,
-                        request.query.get("stream") == "true", request_id_, time.monotonic(), owner=owner)
+                        request.query.get("stream") == "true", request_id_, time.monotonic(), owner=owner,
+                        stored_id=stored_id)
 
     async def owner_of(self, response_id: Any, param: str | None, model: str | None) -> Backend | None:
         """The backend holding a stored response (of `model`, if given), None when none is known to; raises
@@ -264,7 +267,7 @@ class Gateway:
             self.open_relays.discard(relay)
             self.record(placement, exchange, relay.outcome)
             if exchange.endpoint is Endpoint.RESPONSES and relay.outcome.status < 400:
-                self.track_response(request, exchange, placement.backend, relay)
+                self.track_response(exchange, placement.backend, relay)
 
     def response_headers(self, exchange: Exchange, placement: Placement) -> dict[str, str]:
         backend = placement.backend
@@ -278,18 +281,18 @@ class Gateway:
 
     def record(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
         self.finish(placement, exchange, outcome)
-        if outcome.usage is not None:
+        if outcome.usage is not None and exchange.stored_id is None:  # a retrieved response was counted once
             self.record_usage(placement, exchange, outcome)
 
-    def track_response(self, request: web.Request, exchange: Exchange, backend: Backend, relay: Relay) -> None:
+    def track_response(self, exchange: Exchange, backend: Backend, relay: Relay) -> None:
         """Remember which backend stored a new response (its id read from the payload the usage tap parsed
         anyway); forget a deleted one."""
-        if exchange.method == "DELETE":
-            self.responses.forget(request.match_info["response_id"])
-        elif exchange.path == "/v1/responses":
+        if exchange.stored_id is None:
             response_id = response_id_of(relay.tap.payload())
             if response_id is not None:
                 self.responses.remember(response_id, backend)
+        elif exchange.method == "DELETE":
+            self.responses.forget(exchange.stored_id)
 
     def finish(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
         placement.finish()

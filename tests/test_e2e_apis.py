@@ -46,6 +46,12 @@ def apis() -> Iterator[ApiFleet]:
         yield ApiFleet(replicas.urls, gateway.url, round_robin.url, http)
 
 
+def prompt_tokens_counted(apis: ApiFleet) -> float:
+    metrics = apis.http.get(apis.gateway + "/metrics").text
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("gateway_prompt_tokens_total{"))
+
+
 # --- OpenAI Responses API ------------------------------------------------------------------------------------
 
 
@@ -103,7 +109,9 @@ def test_stored_responses_are_retrieved_deleted_and_cancelled_at_their_owner(api
                for i in range(6)]
     assert len({raw.headers["x-gateway-backend"] for raw in created}) > 1  # spread: only the record finds each
     ids = [raw.parse().id for raw in created]
+    prompt_tokens = prompt_tokens_counted(apis)
     assert [client.responses.retrieve(response_id).id for response_id in ids] == ids
+    assert prompt_tokens_counted(apis) == prompt_tokens  # a retrieved response's usage was counted when made
     with pytest.raises(openai.BadRequestError, match="background"):  # the owner's answer: it knows the id
         client.responses.cancel(ids[0])
     client.responses.delete(ids[0])
