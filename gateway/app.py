@@ -74,7 +74,8 @@ ENGINE_PATHS = {
 }
 RELAYED_PATHS = {**GENERATION_PATHS, **ENGINE_PATHS}
 STORED_RESPONSE_ROUTES = (("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
-                          ("POST", "/v1/responses/{response_id}/cancel"))
+                          ("POST", "/v1/responses/{response_id}/cancel"),
+                          ("GET", "/v1/responses/{response_id}/input_items"))
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
