@@ -72,6 +72,18 @@ def test_responses_api_through_the_openai_sdk_streaming_and_not(apis: ApiFleet) 
     assert completed.response.usage.input_tokens_details.cached_tokens > 400
 
 
+def test_request_ids_in_the_instructions_do_not_split_a_prefix(apis: ApiFleet) -> None:
+    client = apis.openai()
+    seen = []
+    for request_id in ("req_8f1c2d3e4b", "req_0a1b2c3d4e"):
+        raw = client.responses.with_raw_response.create(model=MODEL, input="Status?", max_output_tokens=2,
+                                                        instructions=f"Request ID: {request_id}\n{INSTRUCTIONS}")
+        seen.append((raw.headers["x-gateway-backend"], raw.headers["x-gateway-rewritten-spans"], raw.parse()))
+    assert seen[0][0] == seen[1][0] and seen[0][1] == seen[1][1] == "1"
+    usage = seen[1][2].usage
+    assert usage is not None and usage.input_tokens_details.cached_tokens > 400
+
+
 @pytest.mark.parametrize("policy", ["prefix_aware", "round_robin"])
 def test_a_conversation_over_previous_response_id_stays_with_the_replica_that_stores_it(
         apis: ApiFleet, policy: str) -> None:

@@ -320,6 +320,25 @@ def test_messages_with_a_string_system_and_no_system_are_rewritten_too() -> None
     assert bare.body is not None and bare.body["messages"][0]["content"] == "hi" + TRAILER + UUID
 
 
-def test_responses_requests_are_left_as_they_came() -> None:
-    body = {"instructions": f"Request ID: {UUID}", "input": "hi"}
-    assert Rewriter(RewriteConfig()).rewrite(Endpoint.RESPONSES, body, "m").body is None
+def test_responses_instructions_are_searched_and_the_spans_moved_to_the_input() -> None:
+    rewriter = Rewriter(RewriteConfig())
+    body = {"model": "m", "instructions": f"Request ID: {UUID}\nBe brief.", "input": "hi", "store": True}
+    result = rewriter.rewrite(Endpoint.RESPONSES, body, "m")
+    assert result.body == {"model": "m", "instructions": "Be brief.", "input": "hi" + TRAILER + f"Request ID: {UUID}",
+                           "store": True}
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"{UUID} Go."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+             {"role": "user", "content": [{"type": "input_image", "image_url": "data:a"}]}]
+    result = rewriter.rewrite(Endpoint.RESPONSES, {"input": items}, "m")
+    assert result.body is not None
+    first, _, last = result.body["input"]
+    assert first["content"][0] == {"type": "input_text", "text": "Go."}
+    assert last["content"][1] == {"type": "input_text", "text": MARKER + "\n" + UUID}
+
+
+def test_responses_function_call_items_are_neither_searched_nor_given_a_trailer() -> None:
+    output = {"type": "function_call_output", "call_id": "c1", "output": f"ran at 2024-05-01T10:00:00Z {UUID}"}
+    body = {"instructions": f"Trace ID: {UUID}", "input": [{"role": "user", "content": "go"}, output]}
+    result = Rewriter(RewriteConfig()).rewrite(Endpoint.RESPONSES, body, "m")
+    assert result.body is None  # nowhere to move the span to: kept, only counted
+    assert [hit.action for hit in result.hits] == [Action.KEEP]
