@@ -109,6 +109,7 @@ class AgentApis:
             Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
             Route("/v1/responses/{response_id}/cancel", self.cancel_response, methods=["POST"]),
             Route("/v1/messages", self.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
             *(Route(path, self.tokenize, methods=["POST"]) for path in ("/tokenize", "/v1/tokenize")),
             *(Route(path, self.detokenize, methods=["POST"]) for path in ("/detokenize", "/v1/detokenize")),
             *(Route(path, self.rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank")),
@@ -216,16 +217,7 @@ class AgentApis:
 
     async def messages(self, request: Request) -> Response:
         body = await json_body(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise ApiError(400, "messages: must be a non-empty array of message objects", "messages")
-        system = system_text(body.get("system"))
-        chat = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": message.get("role"), "content": _parts_text(message.get("content"))} for message in messages]
-        try:
-            text = render_chat(chat, body_field(body, "tools", list))
-        except TypeError as exc:
-            raise ApiError(400, str(exc), "messages") from exc
+        text = self._messages_prompt(body)
         [gen] = await self.replica._generate([Prompt(tokenize(text), text)], max_tokens(body, "max_tokens"))
         message_id = "msg_" + uuid.uuid4().hex
         if body_field(body, "stream", bool, False):
@@ -235,6 +227,22 @@ class AgentApis:
             return Response(status_code=499)
         return JSONResponse({**self._message(message_id, "max_tokens", gen),
                              "content": [{"type": "text", "text": "".join(gen.output)}]})
+
+    async def count_tokens(self, request: Request) -> Response:
+        return JSONResponse({"input_tokens": len(tokenize(self._messages_prompt(await json_body(request))))})
+
+    @staticmethod
+    def _messages_prompt(body: dict[str, Any]) -> str:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "messages: must be a non-empty array of message objects", "messages")
+        system = system_text(body.get("system"))
+        chat = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": message.get("role"), "content": _parts_text(message.get("content"))} for message in messages]
+        try:
+            return render_chat(chat, body_field(body, "tools", list))
+        except TypeError as exc:
+            raise ApiError(400, str(exc), "messages") from exc
 
     def _message(self, message_id: str, stop_reason: str | None, gen: Generation) -> dict[str, Any]:
         return {"id": message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],

@@ -11,6 +11,8 @@ import httpx2
 import openai
 import pytest
 
+from gateway.app import ENGINE_PATHS
+from gateway.prompts import Endpoint
 from loadtest.fleet import Fleet, running_fleet
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA
 
@@ -203,6 +205,12 @@ def test_claude_code_billing_headers_do_not_split_a_conversation(apis: ApiFleet)
     assert cache_read is not None and cache_read > 400
 
 
+def test_anthropic_token_counting_is_relayed(apis: ApiFleet) -> None:
+    counted = apis.anthropic().messages.count_tokens(model=MODEL, system="Count me.",
+                                                     messages=[{"role": "user", "content": "hello there"}])
+    assert counted.input_tokens > 5
+
+
 def test_messages_errors_come_in_anthropics_shape(apis: ApiFleet) -> None:
     client = apis.anthropic()
     with pytest.raises(anthropic.NotFoundError) as unknown:
@@ -242,6 +250,13 @@ def test_tokenize_rerank_and_score_are_relayed(apis: ApiFleet) -> None:
         assert len(results) == 2 and results[0]["relevance_score"] >= results[1]["relevance_score"]
     scored = post(apis.gateway + "/v1/score", json={"model": MODEL, "text_1": "q", "text_2": ["a", "b"]})
     assert scored.status_code == 200 and len(scored.json()["data"]) == 2
+
+
+@pytest.mark.parametrize("path", [path for path, endpoint in ENGINE_PATHS.items() if endpoint is not Endpoint.AUDIO])
+def test_every_engine_path_reaches_a_replica(apis: ApiFleet, path: str) -> None:
+    response = apis.http.post(apis.gateway + path, json={"model": MODEL, "prompt": "x", "messages": []})
+    # Whatever the replica makes of it (it serves some of these, 404s the rest), the answer is the replica's.
+    assert response.headers["x-gateway-backend"] in apis.replicas and "x-replica-id" in response.headers
 
 
 def test_an_audio_upload_is_relayed_with_the_model_read_from_its_form(apis: ApiFleet) -> None:
