@@ -9,10 +9,15 @@ record.
                                                         # any answer byte (upstream.py says whose fault it was)
     return await self.relay_answer(...)                 # relayed as it arrives (relay.py), then `record`
 
+The paths and how each is routed are the tables below: prompts routed by prefix (`GENERATION_PATHS`), the
+rest of what engines serve to clients relayed to the least loaded backend (`ENGINE_PATHS`), and a stored
+response's own routes sent to the backend that holds it (`STORED_RESPONSE_ROUTES`, gateway/responses.py).
+Engine admin paths (/flush_cache, /start_profile, /update_weights*, ...) are in no table: 404 here.
+
 A client that leaves cancels its handler at whatever step it is in, and every way a request ends releases its
 placement and is recorded once. `create_app(config)` builds every part and hands it in; start-up runs the
 first health checks, shutdown drains (see `on_shutdown`). Errors of any step are `GatewayError`s, turned into
-OpenAI's error shape in one middleware.
+OpenAI's error shape (Anthropic's on /v1/messages) in one middleware.
 """
 
 from __future__ import annotations
@@ -31,17 +36,19 @@ from aiohttp.typedefs import Middleware
 
 from gateway.admission import Admission
 from gateway.auth import ApiKeys
-from gateway.backends import Pool
+from gateway.backends import Backend, Pool
 from gateway.config import GatewayConfig
 from gateway.dashboard import Dashboard
-from gateway.errors import BadRequest, GatewayError, GatewayOverloaded, PayloadTooLarge
+from gateway.errors import (BadRequest, ErrorShape, GatewayError, GatewayOverloaded, PayloadTooLarge,
+                            StoredResponseUnavailable)
 from gateway.headers import HeaderPolicy, client_request_id, forwarded_headers
 from gateway.health import Upkeep
 from gateway.logs import ACCESS_LOGGER, flush_every
 from gateway.metrics import GatewayMetrics
 from gateway.policies import RoutingRequest
-from gateway.prompts import Endpoint, parse_json, routing_text, validate_body
+from gateway.prompts import Endpoint, multipart_fields, parse_json, routing_text, validate_body
 from gateway.relay import Ending, Outcome, Relay, error_for
+from gateway.responses import ResponseOwners, locate, response_id_of
 from gateway.rewrite import Rewriter, enabled_for
 from gateway.router import Placement, Router
 from gateway.shared_state import shared_state
@@ -55,13 +62,29 @@ GENERATION_PATHS = {
     "/v1/completions": Endpoint.COMPLETION,
     "/generate": Endpoint.GENERATE,
     "/v1/embeddings": Endpoint.EMBEDDING,
+    "/v1/responses": Endpoint.RESPONSES,
+    "/v1/messages": Endpoint.MESSAGES,
 }
+# What else vLLM and SGLang serve to clients; it fills no prefix cache, so the least loaded backend gets it.
+ENGINE_PATHS = {
+    **dict.fromkeys(("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/v1/messages/count_tokens"),
+                    Endpoint.TOKENIZE),
+    **dict.fromkeys(("/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score"), Endpoint.SCORE),
+    **dict.fromkeys(("/pooling", "/classify", "/v1/classify", "/encode"), Endpoint.POOLING),
+    **dict.fromkeys(("/v1/audio/transcriptions", "/v1/audio/translations"), Endpoint.AUDIO),
+    **dict.fromkeys(("/parse_function_call", "/separate_reasoning"), Endpoint.UTILITY),
+}
+RELAYED_PATHS = {**GENERATION_PATHS, **ENGINE_PATHS}
+STORED_RESPONSE_ROUTES = (("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
+                          ("POST", "/v1/responses/{response_id}/cancel"),
+                          ("GET", "/v1/responses/{response_id}/input_items"))
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass(frozen=True)
 class Exchange:
     endpoint: Endpoint
+    method: str
     path: str
     body: dict[str, Any]
     raw: bytes
@@ -70,6 +93,8 @@ class Exchange:
     request_id: str
     started_s: float
     rewritten_spans: int = 0
+    owner: Backend | None = None  # the one backend that can serve it: it holds the stored response named
+    stored_id: str | None = None  # GET, DELETE or cancel of this stored response
 
 
 class Gateway:
@@ -86,6 +111,7 @@ class Gateway:
         self.admission = Admission(config.max_concurrent_requests, config.max_queue_wait_s)
         self.keys = ApiKeys(config.api_keys, config.admin_api_keys)
         self.header_policy = HeaderPolicy(config.forward_client_credentials, config.trusted_proxies)
+        self.responses = ResponseOwners(config.responses_max_ids, config.responses_ttl_s)
         self.open_relays: set[Relay] = set()
         self.stopping = False
         self.log_flusher: asyncio.Task[None] | None = None
@@ -95,10 +121,20 @@ class Gateway:
     async def relay(self, request: web.Request) -> web.StreamResponse:
         await self.admission.enter()
         try:
-            exchange = await self.parse(request, GENERATION_PATHS[request.path])
+            exchange = await self.parse(request, RELAYED_PATHS[request.path])
             exchange = self.rewrite(exchange, opted_out=not enabled_for(request.headers))
             routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body))
             placement, upstream = await self.forward(exchange, routing, request)
+            return await self.relay_answer(request, exchange, placement, upstream)
+        finally:
+            self.admission.leave()
+
+    async def relay_stored(self, request: web.Request) -> web.StreamResponse:
+        """GET, DELETE or cancel a stored response: at the backend that holds it (chosen in `parse_stored`)."""
+        await self.admission.enter()
+        try:
+            exchange = await self.parse_stored(request)
+            placement, upstream = await self.forward(exchange, self.router.routing_request(""), request)
             return await self.relay_answer(request, exchange, placement, upstream)
         finally:
             self.admission.leave()
@@ -107,17 +143,46 @@ class Gateway:
         request_id_ = client_request_id(request.headers, os.urandom(16).hex())
         request["request_id"] = request_id_  # for the access line of a rejected request
         raw = await self.read_body(request)
-        try:
-            body = parse_json(raw)
-        except (ValueError, RecursionError) as exc:
-            raise BadRequest(f"The request body is not valid JSON: {exc}.") from None
-        problem = validate_body(endpoint, body)
-        if problem:
-            raise BadRequest(problem)
+        if endpoint.json_body:
+            body = read_json(raw, endpoint)
+        else:  # an upload: never decoded, only its small fields are looked up
+            body = multipart_fields(raw, request.headers.get("content-type", ""))
         model = self.router.resolve_model(body.get("model"))
         request["model"] = model
-        return Exchange(endpoint, request.path, body, raw, model, body.get("stream") is True, request_id_,
-                        time.monotonic())
+        owner = await self.owner_of(body.get("previous_response_id"), "previous_response_id", model) \
+            if endpoint is Endpoint.RESPONSES else None
+        return Exchange(endpoint, request.method, request.path, body, raw, model, body.get("stream") is True,
+                        request_id_, time.monotonic(), owner=owner)
+
+    async def parse_stored(self, request: web.Request) -> Exchange:
+        request_id_ = client_request_id(request.headers, os.urandom(16).hex())
+        request["request_id"] = request_id_
+        raw = await self.read_body(request)
+        stored_id = request.match_info["response_id"]
+        owner = await self.owner_of(stored_id, None, None)
+        model = owner.model if owner is not None and owner.model else self.router.resolve_model(None)
+        request["model"] = model
+        return Exchange(Endpoint.RESPONSES, request.method, request.path, {}, raw, model,
+                        request.query.get("stream") == "true", request_id_, time.monotonic(), owner=owner,
+                        stored_id=stored_id)
+
+    async def owner_of(self, response_id: Any, param: str | None, model: str | None) -> Backend | None:
+        """The backend holding a stored response (of `model`, if given), None when none is known to; raises
+        StoredResponseUnavailable when that backend is not healthy (no other one holds the response)."""
+        if not isinstance(response_id, str):
+            return None
+        owner = self.responses.owner(response_id)
+        if owner is None:
+            candidates = [b for b in self.pool.backends if b.healthy and (model is None or b.model == model)]
+            if len(candidates) < 2:  # routing finds the one there is
+                return None
+            owner = await locate(self.client, candidates, response_id, self.config.health.timeout_s)
+            if owner is not None:
+                self.responses.remember(response_id, owner)
+        if owner is None or owner.healthy:
+            return owner
+        raise StoredResponseUnavailable(response_id, owner.url if self.config.expose_backend_urls else owner.name,
+                                        param)
 
     async def read_body(self, request: web.Request) -> bytes:
         """The whole body, bounded in size (the app's client_max_size: 413 above it) and in time."""
@@ -149,14 +214,15 @@ class Gateway:
         released and the outcome recorded."""
         tried: list[Placement] = []
         while True:
-            placement = self.router.place(exchange.model, routing, avoid=[p.backend for p in tried])
+            placement = self.choose(exchange, routing, [p.backend for p in tried])
             request["placed"] = True  # from here on, `finish` records however the request ends
             backend = placement.backend
             headers = forwarded_headers(request.headers, exchange.request_id, request.remote, self.header_policy,
                                         backend.spec.api_key)
+            timeout_s = None if exchange.streaming else self.config.request_timeout_s
             try:
-                upstream = await self.client.open("POST", backend.url + request.path_qs, exchange.raw, headers,
-                                                  None if exchange.streaming else self.config.request_timeout_s)
+                upstream = await self.client.open(exchange.method, backend.url + request.path_qs, exchange.raw,
+                                                  headers, timeout_s)
             except UpstreamFailure as exc:
                 if not self.retry_after(placement, exchange, exc, len(tried)):
                     raise (GatewayOverloaded(f"The gateway ran out of resources ({exc.detail}).")
@@ -170,11 +236,19 @@ class Gateway:
                 raise
             return placement, upstream
 
+    def choose(self, exchange: Exchange, routing: RoutingRequest, avoid: list[Backend]) -> Placement:
+        if exchange.owner is not None:
+            return self.router.place_on(exchange.owner, routing)
+        if exchange.endpoint.routes_by_prefix:
+            return self.router.place(exchange.model, routing, avoid=avoid)
+        return self.router.place_least_loaded(exchange.model, routing, avoid=avoid)
+
     def retry_after(self, placement: Placement, exchange: Exchange, exc: UpstreamFailure, tries: int) -> bool:
         """Whether to send the request again after `exc`. A retried attempt counts as its backend's error, not
         as the request's outcome: the client sees only the retry's."""
         backend = placement.backend
-        retry = exc.failure.retryable and tries < self.config.max_retries and bool(self.pool.serving(exchange.model))
+        retry = exc.failure.retryable and tries < self.config.max_retries and exchange.owner is None \
+            and bool(self.pool.serving(exchange.model))
         if not retry:  # `finish` reports the failure to the backend
             self.finish(placement, exchange, Outcome(status=error_for(exc).status_code, failure=exc.failure))
             return False
@@ -197,6 +271,8 @@ class Gateway:
         finally:
             self.open_relays.discard(relay)
             self.record(placement, exchange, relay.outcome)
+            if exchange.endpoint is Endpoint.RESPONSES and relay.outcome.status < 400:
+                self.track_response(exchange, placement.backend, relay)
 
     def response_headers(self, exchange: Exchange, placement: Placement) -> dict[str, str]:
         backend = placement.backend
@@ -212,8 +288,18 @@ class Gateway:
         self.finish(placement, exchange, outcome)
         if outcome.status >= 400:  # a rejected prompt is not cached there: it must not attract its successors
             placement.unrecord()
-        if outcome.usage is not None:
+        if outcome.usage is not None and exchange.stored_id is None:  # a retrieved response was counted once
             self.record_usage(placement, exchange, outcome)
+
+    def track_response(self, exchange: Exchange, backend: Backend, relay: Relay) -> None:
+        """Remember which backend stored a new response (its id read from the payload the usage tap parsed
+        anyway); forget a deleted one."""
+        if exchange.stored_id is None:
+            response_id = response_id_of(relay.tap.payload())
+            if response_id is not None:
+                self.responses.remember(response_id, backend)
+        elif exchange.method == "DELETE":
+            self.responses.forget(exchange.stored_id)
 
     def finish(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
         placement.finish()
@@ -228,8 +314,8 @@ class Gateway:
                                   now_s - placement.placed_s, outcome.ttfb_s, placement.match_fraction)
         if outcome.error and outcome.ending is not Ending.CLIENT_GONE:
             self.metrics.upstream_errors.labels(backend.url, outcome.error).inc()
-        log_access(exchange.path, exchange.model, backend.url, route, placement.match_fraction, outcome.label,
-                   outcome.error, now_s - exchange.started_s, exchange.request_id)
+        log_access(exchange.method, exchange.path, exchange.model, backend.url, route, placement.match_fraction,
+                   outcome.label, outcome.error, now_s - exchange.started_s, exchange.request_id)
 
     def record_usage(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
         usage = outcome.usage
@@ -246,12 +332,13 @@ class Gateway:
 
     def record_rejection(self, request: web.Request, error: GatewayError) -> None:
         """A request refused before it was placed still gets its access line and its metric sample."""
-        endpoint = GENERATION_PATHS.get(request.path)
+        endpoint = endpoint_of(request)
         model = request.get("model", "")
         self.metrics.request_done(endpoint.value if endpoint else "other", model, "", "", str(error.status_code),
                                   None, None, None)
-        log_access(request.path, model, "", "", 0.0, str(error.status_code), error.code or error.error_type,
-                   time.monotonic() - request["started_s"], request.get("request_id", ""))
+        log_access(request.method, request.path, model, "", "", 0.0, str(error.status_code),
+                   error.code or error.error_type, time.monotonic() - request["started_s"],
+                   request.get("request_id", ""))
 
     # -- read-only endpoints ----------------------------------------------------------------------------
 
@@ -309,8 +396,26 @@ class Gateway:
             await asyncio.gather(self.log_flusher, return_exceptions=True)
 
 
-def log_access(path: str, model: str, backend: str, route: str, match: float, status: str, error: str | None,
-               duration_s: float, request_id_: str) -> None:
+def read_json(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+    try:
+        body = parse_json(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}.") from None
+    problem = validate_body(endpoint, body)
+    if problem:
+        raise BadRequest(problem)
+    return body  # validate_body checked it is an object
+
+
+def endpoint_of(request: web.Request) -> Endpoint | None:
+    """The relayed endpoint a request is for, None for the gateway's own routes and unknown paths."""
+    if request.path in RELAYED_PATHS:
+        return RELAYED_PATHS[request.path]
+    return Endpoint.RESPONSES if "response_id" in request.match_info else None
+
+
+def log_access(method: str, path: str, model: str, backend: str, route: str, match: float, status: str,
+               error: str | None, duration_s: float, request_id_: str) -> None:
     """One line per request. The record is made and handed over directly: `Logger.info` would also walk the
     stack to find its caller, a third of a log line's cost, and the caller is always this function."""
     if not access_log.isEnabledFor(logging.INFO):
@@ -318,15 +423,18 @@ def log_access(path: str, model: str, backend: str, route: str, match: float, st
     duration_ms = round(duration_s * 1000, 1)
     record = access_log.makeRecord(
         access_log.name, logging.INFO, __file__, 0,
-        "POST %s model=%s backend=%s route=%s match=%.3f status=%s%s duration_ms=%.1f id=%s",
-        (path, model, backend, route, match, status, f" error={error}" if error else "", duration_ms, request_id_),
-        None, extra={"path": path, "model": model, "backend": backend, "route": route, "match": round(match, 3),
-                     "status": status, "error": error, "duration_ms": duration_ms, "request_id": request_id_})
+        "%s %s model=%s backend=%s route=%s match=%.3f status=%s%s duration_ms=%.1f id=%s",
+        (method, path, model, backend, route, match, status, f" error={error}" if error else "", duration_ms,
+         request_id_),
+        None, extra={"method": method, "path": path, "model": model, "backend": backend, "route": route,
+                     "match": round(match, 3), "status": status, "error": error, "duration_ms": duration_ms,
+                     "request_id": request_id_})
     access_log.handle(record)
 
 
 def error_middleware(gateway: Gateway) -> Middleware:
-    """Authentication, then any error in OpenAI's shape: ours, the server's own (404, 405, 413), or a bug."""
+    """Authentication, then any error in OpenAI's shape (Anthropic's on its API): ours, the server's own (404,
+    405, 413), or a bug."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -358,16 +466,19 @@ def error_middleware(gateway: Gateway) -> Middleware:
 def error_response(gateway: Gateway, request: web.Request, error: GatewayError) -> web.Response:
     if error.status_code >= 500:
         logger.warning("%s %s -> %d: %s", request.method, request.path, error.status_code, error.message)
-    if request.path in GENERATION_PATHS and not request.get("placed"):
+    if endpoint_of(request) is not None and not request.get("placed"):
         gateway.record_rejection(request, error)
-    return web.json_response(error.body(), status=error.status_code, headers=error.headers())
+    return web.json_response(error.body(ErrorShape.for_path(request.path)), status=error.status_code,
+                             headers=error.headers())
 
 
 def create_app(config: GatewayConfig) -> web.Application:
     gateway = Gateway(config)
     app = web.Application(middlewares=[error_middleware(gateway)], client_max_size=config.max_body_bytes)
-    for path in GENERATION_PATHS:
+    for path in RELAYED_PATHS:
         app.router.add_post(path, gateway.relay)
+    for method, path in STORED_RESPONSE_ROUTES:
+        app.router.add_route(method, path, gateway.relay_stored)
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/ready", gateway.ready)

@@ -64,6 +64,8 @@ class GatewayConfig:
     expose_backend_urls: bool = False
     workers: int = 1
     default_model: str | None = None
+    responses_max_ids: int = 100_000  # stored-response owners remembered (gateway/responses.py)
+    responses_ttl_s: float = 86_400.0
     log_level: str = "info"
     log_format: str = "text"
     state: str | None = None  # redis://HOST:PORT/DB shared by several instances (shared_state.py)
@@ -291,6 +293,11 @@ OPTIONS: tuple[Option, ...] = (
            "Redis (or Valkey) that several gateway instances share routing state through: placements, index "
            "corrections, load and health verdicts; each still routes on its local view if it is slow or gone",
            "redis://HOST:PORT/DB"),
+    Option("responses_max_ids", "", "responses_max_ids", _at_least(1, _int),
+           "stored responses (Responses API) whose backend the gateway remembers, to send follow-ups naming "
+           "them there; the oldest are forgotten first"),
+    Option("responses_ttl_secs", "", "responses_ttl_s", _at_least(1.0, _float),
+           "seconds the gateway remembers which backend stored a response"),
     Option("log_level", "", "log_level", lambda key, value: _choice(LogLevel)(key, value).value,
            "log level: debug, info, warning or error"),
     Option("log_format", "", "log_format", lambda key, value: _choice(LogFormat)(key, value).value,

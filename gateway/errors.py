@@ -1,12 +1,29 @@
 """One exception hierarchy for everything the gateway refuses or fails at.
 
-Each error knows its HTTP status and OpenAI error ``type``; `app.py` turns any of them into OpenAI's error
-body in one place (`gateway_error`), so no handler builds error JSON by hand.
+Each error knows its HTTP status and OpenAI error ``type``; `app.py` turns any of them into an error body in
+one place (`error_response`), so no handler builds error JSON by hand. The body is OpenAI's shape, except on
+Anthropic's Messages API (`/v1/messages...`), whose SDKs read Anthropic's: `ErrorShape.for_path` decides.
 """
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any
+
+
+class ErrorShape(str, Enum):
+    OPENAI = "openai"        # {"error": {"message", "type", "param", "code"}}
+    ANTHROPIC = "anthropic"  # {"type": "error", "error": {"type", "message"}}
+
+    @classmethod
+    def for_path(cls, path: str) -> ErrorShape:
+        return cls.ANTHROPIC if path == "/v1/messages" or path.startswith("/v1/messages/") else cls.OPENAI
+
+
+# Anthropic's error types by status (its API reference, "Errors"); other statuses are "api_error".
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 504: "timeout_error"}
 
 
 class ConfigError(ValueError):
@@ -26,7 +43,10 @@ class GatewayError(Exception):
     def headers(self) -> dict[str, str]:
         return {}
 
-    def body(self) -> dict[str, Any]:
+    def body(self, shape: ErrorShape = ErrorShape.OPENAI) -> dict[str, Any]:
+        if shape is ErrorShape.ANTHROPIC:
+            return {"type": "error",
+                    "error": {"type": _ANTHROPIC_TYPES.get(self.status_code, "api_error"), "message": self.message}}
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
@@ -54,6 +74,20 @@ class ModelNotFound(GatewayError):
         listed = ", ".join(available) if available else "none"
         super().__init__(f"The model '{model}' does not exist. Available models: {listed}.",
                          code="model_not_found", param="model")
+
+
+class StoredResponseUnavailable(GatewayError):
+    """A stored response (Responses API) lives on one engine, and that engine is not available: no other one
+    can continue it, so the client is told so rather than get another engine's "not found"."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, response_id: str, backend: str, param: str | None) -> None:
+        super().__init__(f"The response '{response_id}' is stored on backend {backend}, which is not available now "
+                         "(unhealthy or removed); no other backend holds it. Send the conversation again in full "
+                         "(without previous_response_id) to continue on another backend.",
+                         code="stored_response_unavailable", param=param)
 
 
 class PayloadTooLarge(GatewayError):

@@ -1,9 +1,10 @@
 """Which headers cross the gateway, in each direction (RFC 9110 section 7.6: a proxy's duties).
 
 To the backend: the client's headers as it sent them, less the hop-by-hop ones and any the client's
-`Connection` header names, less credentials meant for the gateway (`Authorization`, `Cookie`; a backend's own
-key is sent instead when configured), with our request id and the client's address in `X-Forwarded-For` and
-`Forwarded` (appended to what a trusted proxy in front of us sent, replaced otherwise).
+`Connection` header names, less credentials meant for the gateway (`Authorization`, `Cookie`, and Anthropic's
+`X-Api-Key`; a backend's own key is sent instead when configured), with our request id and the client's
+address in `X-Forwarded-For` and `Forwarded` (appended to what a trusted proxy in front of us sent, replaced
+otherwise).
 To the client: the backend's headers less the hop-by-hop ones and those the server writes itself.
 """
 
@@ -20,7 +21,7 @@ from gateway.errors import BadRequest
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "trailers", "transfer-encoding", "upgrade", "proxy-connection"})
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "x-request-id", "x-forwarded-for", "forwarded"}
-_CREDENTIALS = frozenset({"authorization", "cookie"})
+_CREDENTIALS = frozenset({"authorization", "cookie", "x-api-key"})
 # date/server: the server writes its own; content-length: recomputed for what we send.
 _NOT_RELAYED = HOP_BY_HOP | {"date", "server", "content-length"}
 MAX_REQUEST_ID_CHARS = 128

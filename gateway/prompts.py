@@ -1,12 +1,16 @@
 """What a request asks for: which endpoint, which model, and the routing text the engine will see.
 
 The routing text is what the prefix index hashes. It must grow the way the engine's KV cache grows: for chat,
-turn k's text is a prefix of turn k+1's, so a conversation keeps matching its own history.
+turn k's text is a prefix of turn k+1's, so a conversation keeps matching its own history. The Responses and
+Messages APIs render the same way as chat (tools, then the system part, then each turn on its own), so a client
+that resends its conversation keeps matching too. Endpoints that generate nothing from a prompt (tokenize,
+rerank, audio, ...) have no routing text: they go to the least loaded backend.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from enum import Enum
 from typing import Any
 
@@ -18,10 +22,31 @@ class Endpoint(str, Enum):
     COMPLETION = "completion"    # POST /v1/completions
     GENERATE = "generate"        # POST /generate (SGLang native)
     EMBEDDING = "embedding"      # POST /v1/embeddings
+    RESPONSES = "responses"      # POST /v1/responses (OpenAI Responses API), and its stored responses
+    MESSAGES = "messages"        # POST /v1/messages (Anthropic Messages API)
+    TOKENIZE = "tokenize"        # /tokenize, /detokenize, /v1/messages/count_tokens
+    SCORE = "score"              # rerank and score
+    POOLING = "pooling"          # /pooling, /classify, SGLang's /encode
+    AUDIO = "audio"              # /v1/audio/* (multipart, never parsed as JSON)
+    UTILITY = "utility"          # SGLang's parsers (/parse_function_call, /separate_reasoning)
 
     @property
     def generates(self) -> bool:
-        return self is not Endpoint.EMBEDDING
+        """Its prompt is generated from: the rewriter applies."""
+        return self in _GENERATING
+
+    @property
+    def routes_by_prefix(self) -> bool:
+        """It fills the engine's prefix cache: the policy chooses. Otherwise the least loaded backend does."""
+        return self in _GENERATING or self is Endpoint.EMBEDDING
+
+    @property
+    def json_body(self) -> bool:
+        return self is not Endpoint.AUDIO
+
+
+_GENERATING = frozenset({Endpoint.CHAT, Endpoint.COMPLETION, Endpoint.GENERATE, Endpoint.RESPONSES,
+                         Endpoint.MESSAGES})
 
 
 def parse_json(raw: bytes) -> Any:
@@ -46,7 +71,53 @@ def routing_text(endpoint: Endpoint, body: dict[str, Any]) -> str:
         return render_prompt(body.get("prompt"))
     if endpoint is Endpoint.GENERATE:
         return render_prompt(body["text"] if body.get("text") is not None else body.get("input_ids"))
-    return render_prompt(body.get("input"))
+    if endpoint is Endpoint.RESPONSES:
+        return render_responses(body)
+    if endpoint is Endpoint.MESSAGES:
+        return render_messages(body)
+    if endpoint is Endpoint.EMBEDDING:
+        return render_prompt(body.get("input"))
+    return ""
+
+
+def render_responses(body: dict[str, Any]) -> str:
+    """A Responses request as a chat: `instructions` as the system turn, then each input item as a turn.
+
+    A string `input` is one user turn, rendered as the item `{"role": "user", "content": input}` is, so a client
+    that starts with a string and resends the conversation as items next turn keeps its prefix. Items without a
+    role (function calls and their outputs, reasoning) render as their JSON, which the client resends unchanged.
+    With `previous_response_id` the engine prepends a history the gateway does not see; that request goes to
+    the response's owner anyway (gateway/responses.py), so its text only has to be stable.
+    """
+    value = body.get("input")
+    items: list[Any] = [{"role": "user", "content": value}] if isinstance(value, str) else (
+        value if isinstance(value, list) else [])
+    messages: list[Any] = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    for item in items:
+        if isinstance(item, dict) and "role" in item:
+            messages.append(item)
+        elif isinstance(item, dict):
+            messages.append({"role": str(item.get("type", "item")), "content": _without_ids(item)})
+    return render_chat(messages, body.get("tools"))
+
+
+def _without_ids(item: dict[str, Any]) -> str:
+    """An item's stable rendering: `id` and `status` are the engine's bookkeeping, which some clients resend
+    and others drop."""
+    stable = {key: value for key, value in item.items() if key not in ("id", "status")}
+    return json.dumps(stable, sort_keys=True, separators=(",", ":"))
+
+
+def render_messages(body: dict[str, Any]) -> str:
+    """An Anthropic Messages request as a chat: `system` (a string or text blocks) as the system turn, then the
+    messages. Text blocks render as OpenAI text parts do; tool_use and tool_result blocks as their JSON."""
+    messages: list[Any] = []
+    if body.get("system") is not None:
+        messages.append({"role": "system", "content": body["system"]})
+    messages += body["messages"]
+    return render_chat(messages, body.get("tools"))
 
 
 def render_chat(messages: list[Any], tools: Any = None) -> str:
@@ -65,11 +136,15 @@ def render_chat(messages: list[Any], tools: Any = None) -> str:
     return "".join(parts)
 
 
+# Text parts: chat's and Anthropic's "text", the Responses API's "input_text" and "output_text".
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+
+
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # OpenAI content parts: text kept, other parts by a stable rendering
-        return "".join(part["text"] if isinstance(part, dict) and part.get("type") == "text"
+    if isinstance(content, list):  # content parts: text kept, other parts by a stable rendering
+        return "".join(part["text"] if isinstance(part, dict) and part.get("type") in _TEXT_PARTS
                        and isinstance(part.get("text"), str)
                        else json.dumps(part, sort_keys=True, separators=(",", ":")) for part in content)
     return "" if content is None else json.dumps(content, sort_keys=True)
@@ -99,6 +174,12 @@ _REQUIRED: dict[Endpoint, tuple[str, type | tuple[type, ...]]] = {
     Endpoint.CHAT: ("messages", list),
     Endpoint.COMPLETION: ("prompt", (str, list)),
     Endpoint.EMBEDDING: ("input", (str, list)),
+    Endpoint.MESSAGES: ("messages", list),
+}
+# Optional fields routing reads, and the types it can read.
+_OPTIONAL: dict[Endpoint, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
+    Endpoint.RESPONSES: (("input", (str, list)), ("instructions", str), ("previous_response_id", str)),
+    Endpoint.MESSAGES: (("system", (str, list)),),
 }
 
 
@@ -113,11 +194,35 @@ def validate_body(endpoint: Endpoint, body: Any) -> str | None:
         if body.get("text") is None and body.get("input_ids") is None:
             return "One of 'text' or 'input_ids' is required."
         return None
+    for field, kinds in _OPTIONAL.get(endpoint, ()):
+        if body.get(field) is not None and not isinstance(body[field], kinds):
+            return f"'{field}' has the wrong type."
+    if endpoint not in _REQUIRED:
+        return None
     field, kinds = _REQUIRED[endpoint]
     if field not in body:
         return f"'{field}' is a required property."
     if not isinstance(body[field], kinds):
         return f"'{field}' has the wrong type."
-    if endpoint is Endpoint.CHAT and not body[field]:
+    if endpoint in (Endpoint.CHAT, Endpoint.MESSAGES) and not body[field]:
         return "'messages' must contain at least one message."
     return None
+
+
+# A small form field of a multipart body: its part's headers, a blank line, one short line of value.
+_FORM_FIELD = re.compile(rb'(?i)content-disposition:[ \t]*form-data;[ \t]*name="(model|stream)"[^\r\n]*\r\n'
+                         rb'(?:[^\r\n]+\r\n)*\r\n([^\r\n]{0,256})\r\n')
+
+
+def multipart_fields(raw: bytes, content_type: str) -> dict[str, Any]:
+    """`model` and `stream` of a multipart/form-data body (an audio upload), found by a bytes search: the file
+    part is never decoded. Fields not found are left out."""
+    if not content_type.lower().startswith("multipart/form-data"):
+        return {}
+    fields: dict[str, Any] = {}
+    for match in _FORM_FIELD.finditer(raw):
+        name, value = match.group(1).decode().lower(), match.group(2).decode("utf-8", "replace")
+        fields.setdefault(name, value)
+    if "stream" in fields:
+        fields["stream"] = fields["stream"].strip().lower() == "true"
+    return fields

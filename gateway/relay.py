@@ -5,7 +5,8 @@ arrives, never coalesced. The usage tap reads the token counts on the way. A cli
 handler (the server's `handler_cancellation`): the upstream connection is closed at once, so the engine aborts
 the request. A client that stops reading is given `write_timeout_s` to drain its buffer, then dropped the same
 way. A stream that breaks mid-way, or is ended by a shutdown, closes with an SSE `error` event the client's SDK
-raises. Whatever way it ends, `Outcome` says so once, to the record step.
+raises (Anthropic's `event: error` on its Messages API). Whatever way it ends, `Outcome` says so once, to the
+record step.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from enum import Enum
 
 from aiohttp import web
 
-from gateway.errors import GatewayError, ShuttingDown, UpstreamError, UpstreamTimeout
+from gateway.errors import ErrorShape, GatewayError, ShuttingDown, UpstreamError, UpstreamTimeout
 from gateway.headers import relayed_headers
 from gateway.upstream import Failure, UpstreamFailure, UpstreamResponse
 from gateway.usage import Usage, UsageTap
@@ -175,7 +176,9 @@ class Relay:
             return
         try:
             if self.streaming:
-                await self.response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
+                shape = ErrorShape.for_path(self.request.path)
+                named = b"event: error\n" if shape is ErrorShape.ANTHROPIC else b""
+                await self.response.write(named + b"data: " + json.dumps(error.body(shape)).encode() + b"\n\n")
             await self.response.write_eof()
         except (ConnectionError, RuntimeError):
             pass

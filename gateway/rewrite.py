@@ -8,8 +8,12 @@ What is searched (the *head*): in a chat, the system and developer messages and 
 and including that first user message (``content`` as a string, or the ``text`` of ``{"type": "text"}``
 parts; other parts are never touched); a completion ``prompt`` or a ``/generate`` ``text`` (a string, or each
 string of a list — every string of a list is a separate prompt of a batch, with its own window and trailer;
-token-id lists and ``input_ids`` are never touched). Embedding requests are never rewritten: it would change
-the vector.
+token-id lists and ``input_ids`` are never touched). An Anthropic Messages request is searched as a chat whose
+first message is its ``system`` (a string, or its text blocks): Claude Code's billing header, a text block of
+its own at the top of ``system``, is what the ``billing_header`` rule is for. A Responses API request is searched
+as a chat too: ``instructions`` as its system message, a string ``input`` as one user message, input items with a
+role as messages (their ``input_text`` parts); items without a role (function calls and their outputs) are
+neither searched nor given a trailer. Embedding requests are never rewritten: it would change the vector.
 
 The window: only spans that *start* within the first ``window_chars`` characters (default 2048) of the prompt
 text are acted on, counting the text of the head's messages in order (non-searched messages in the head, such
@@ -134,6 +138,10 @@ class Rewriter:
             return RewriteResult(None, ())
         if endpoint is Endpoint.CHAT:
             return self._rewrite_chat(body)
+        if endpoint is Endpoint.MESSAGES:
+            return self._rewrite_messages(body)
+        if endpoint is Endpoint.RESPONSES:
+            return self._rewrite_responses(body)
         return self._rewrite_prompts(body, "prompt" if endpoint is Endpoint.COMPLETION else "text")
 
     def _rewrite_prompts(self, body: Mapping[str, Any], key: str) -> RewriteResult:
@@ -156,7 +164,21 @@ class Rewriter:
         new_body[key] = new_prompts[0] if isinstance(value, str) else new_prompts
         return RewriteResult(new_body, tuple(hits))
 
-    def _rewrite_chat(self, body: Mapping[str, Any]) -> RewriteResult:
+    def _rewrite_responses(self, body: Mapping[str, Any]) -> RewriteResult:
+        instructions, value = body.get("instructions"), body.get("input")
+        system = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+        items = [{"role": "user", "content": value}] if isinstance(value, str) else (
+            value if isinstance(value, list) else [])
+        result = self._rewrite_chat({"messages": system + items}, new_part="input_text")
+        if result.body is None:
+            return result
+        rewritten = result.body["messages"]
+        new_body = {**body, "input": rewritten[-1]["content"] if isinstance(value, str) else rewritten[len(system):]}
+        if system:
+            new_body["instructions"] = rewritten[0]["content"]
+        return RewriteResult(new_body, result.hits)
+
+    def _rewrite_chat(self, body: Mapping[str, Any], new_part: str = "text") -> RewriteResult:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return RewriteResult(None, ())
@@ -172,8 +194,19 @@ class Rewriter:
             if moved or (host.index, host.part) in changes:
                 changes[(host.index, host.part)] = with_trailer(host_body, host.trailer, moved)
         new_body = dict(body)
-        new_body["messages"] = _apply(messages, changes)
+        new_body["messages"] = _apply(messages, changes, new_part)
         return RewriteResult(new_body, tuple(hits))
+
+    def _rewrite_messages(self, body: Mapping[str, Any]) -> RewriteResult:
+        """Anthropic's blocks are shaped as chat's text parts, so its `system` is searched as a system message."""
+        system, messages = body.get("system"), body.get("messages")
+        if system is None or not isinstance(messages, list):
+            return self._rewrite_chat(body)
+        result = self._rewrite_chat({"messages": [{"role": "system", "content": system}, *messages]})
+        if result.body is None:
+            return result
+        rewritten = result.body["messages"]
+        return RewriteResult({**body, "system": rewritten[0]["content"], "messages": rewritten[1:]}, result.hits)
 
     def _rewrite_texts(self, texts: list[str], searchable: list[bool],
                        can_move: bool) -> tuple[list[str], list[str], list[SpanHit]]:
@@ -203,7 +236,7 @@ class Rewriter:
 
 def _chat_host(messages: list[Any]) -> _Host | None:
     last = messages[-1]
-    if not isinstance(last, Mapping):
+    if not isinstance(last, Mapping) or "role" not in last:  # a Responses function call or its output
         return None
     content = last.get("content")
     if content is None or isinstance(content, str):
@@ -240,14 +273,18 @@ def _chat_head(messages: list[Any], host: _Host | None) -> list[_Slot]:
     return slots
 
 
+# Text parts: chat's and Anthropic's "text", the Responses API's "input_text" and "output_text".
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+
+
 def _part_text(part: Any) -> str | None:
-    if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+    if isinstance(part, Mapping) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str):
         text: str = part["text"]
         return text
     return None
 
 
-def _apply(messages: list[Any], changes: Mapping[tuple[int, int | None], str]) -> list[Any]:
+def _apply(messages: list[Any], changes: Mapping[tuple[int, int | None], str], new_part: str) -> list[Any]:
     """A copy of messages with the changed strings replaced; untouched messages and parts are shared."""
     by_message: dict[int, dict[int | None, str]] = {}
     for (index, part), text in changes.items():
@@ -261,7 +298,7 @@ def _apply(messages: list[Any], changes: Mapping[tuple[int, int | None], str]) -
             content = list(message["content"])
             for part, text in sorted((part, text) for part, text in parts.items() if part is not None):
                 if part == len(content):
-                    content.append({"type": "text", "text": text})
+                    content.append({"type": new_part, "text": text})
                 else:
                     content[part] = {**content[part], "text": text}
             message["content"] = content

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from gateway.backends import Backend, Pool
 from gateway.hashing import block_hashes
-from gateway.policies import Decision, Policy, PolicyName, RoutingRequest
-from gateway.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin
+from gateway.policies import Decision, Policy, PolicyName, Route, RoutingRequest
+from gateway.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin, least_loaded
 from gateway.policies.cache_aware import CacheAware
 from gateway.policies.prefix_aware import PrefixAware
 
@@ -146,7 +146,20 @@ class Router:
         """Choose a backend for `request`, not one in `avoid` unless no other is left, and reserve it; raises
         NoHealthyBackend when none is healthy."""
         candidates = self.pool.serving(model, exclude=avoid) or self.pool.candidates(model)
-        decision = self.policy.choose(candidates, request)
+        return self._reserve(self.policy.choose(candidates, request), request)
+
+    def place_least_loaded(self, model: str, request: RoutingRequest, avoid: Sequence[Backend] = ()) -> Placement:
+        """As `place`, for a request that fills no prefix cache (tokenize, rerank, ...): the policy's view of the
+        prompt does not matter, only the load."""
+        candidates = self.pool.serving(model, exclude=avoid) or self.pool.candidates(model)
+        backend = least_loaded(candidates)
+        return self._reserve(Decision(backend, Route.LEAST_LOAD, backend.index.match(request.hashes)), request)
+
+    def place_on(self, backend: Backend, request: RoutingRequest) -> Placement:
+        """Reserve the one backend that can serve the request: it holds the state the request names."""
+        return self._reserve(Decision(backend, Route.OWNER, backend.index.match(request.hashes)), request)
+
+    def _reserve(self, decision: Decision, request: RoutingRequest) -> Placement:
         record(decision.backend, request.hashes)
         return Placement(decision, request)
 

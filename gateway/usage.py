@@ -2,8 +2,9 @@
 
 Non-streamed bodies are kept (up to a bound) and parsed once at the end. Streams are never parsed chunk by
 chunk: the tap only remembers the last complete SSE event that mentions usage (a bytes search), and that one
-event is parsed when the stream ends — the final usage chunk of OpenAI's `stream_options.include_usage`, or
-the last `meta_info` of SGLang's `/generate` stream.
+event is parsed when the stream ends — the final usage chunk of OpenAI's `stream_options.include_usage`, the
+last `meta_info` of SGLang's `/generate` stream, the Responses API's `response.completed` or Anthropic's
+`message_delta`. That parsed object is also where the gateway reads a stored response's id (`payload()`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ def usage_from(payload: Any) -> Usage | None:
     if not isinstance(payload, dict):
         return None
     usage = payload.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
+        return _input_tokens_usage(usage)
+    if not isinstance(usage, dict):  # a Responses stream event, or Anthropic's message_start
+        inner = payload.get("response") or payload.get("message")
+        if isinstance(inner, dict) and isinstance(inner.get("usage"), dict):
+            return usage_from(inner)
     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -43,6 +50,20 @@ def usage_from(payload: Any) -> Usage | None:
         cached = _llama_cpp_cached(payload) or 0
         return Usage(timings["prompt_n"] + cached, cached)
     return None
+
+
+def _input_tokens_usage(usage: dict[str, Any]) -> Usage:
+    """The Responses API counts cached tokens inside `input_tokens` (`input_tokens_details.cached_tokens`);
+    Anthropic's Messages API counts them beside it (`cache_read_input_tokens`, and the tokens written to the
+    cache in `cache_creation_input_tokens`). vLLM's Messages server sends `input_tokens` alone: the whole prompt,
+    hits unknown."""
+    read, written = usage.get("cache_read_input_tokens"), usage.get("cache_creation_input_tokens")
+    if isinstance(read, int) or isinstance(written, int):
+        read = read if isinstance(read, int) else 0
+        return Usage(usage["input_tokens"] + read + (written if isinstance(written, int) else 0), read)
+    details = usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(usage["input_tokens"], cached if isinstance(cached, int) else None)
 
 
 def _llama_cpp_cached(payload: dict[str, Any]) -> int | None:
@@ -66,6 +87,8 @@ class UsageTap:
         self._buffer = bytearray()
         self._last_usage_event = b""
         self._body_too_big = False
+        self._payload: Any = None
+        self._parsed = False
 
     def feed(self, chunk: bytes) -> None:
         if self._decoder is not None:
@@ -96,13 +119,24 @@ class UsageTap:
                 return
 
     def usage(self) -> Usage | None:
+        return usage_from(self.payload())
+
+    def payload(self) -> Any:
+        """The answer's object that carries usage, parsed once: the whole body, or the data of the stream's
+        last usage event; None when there is none (or the body was too big or not readable)."""
+        if not self._parsed:
+            self._parsed = True
+            self._payload = self._read_payload()
+        return self._payload
+
+    def _read_payload(self) -> Any:
         if not self._readable:
             return None
         if not self._streaming:
-            return usage_from(_loads(bytes(self._buffer)))
+            return _loads(bytes(self._buffer))
         for line in self._last_usage_event.splitlines():
             if line.startswith(b"data:"):
-                return usage_from(_loads(line[5:].strip()))
+                return _loads(line[5:].strip())
         return None
 
 

@@ -1,6 +1,7 @@
 """A simulated SGLang-compatible engine replica: the HTTP surface of `sglang serve`, backed by `loadtest.engine`.
 
-It answers what gateways and sglang-router touch: the OpenAI endpoints, SGLang's native `/generate`, the
+It answers what gateways and sglang-router touch: the OpenAI endpoints (Responses with its store included),
+Anthropic's Messages, tokenize and rerank (`loadtest/replica_apis.py`), SGLang's native `/generate`, the
 probes and info endpoints a router reads at registration (`/health`, `/server_info`, `/model_info`),
 `/get_load`, `/flush_cache` and Prometheus `/metrics`, plus `/control/faults` for fault injection. Every
 response carries `x-replica-id` (host:port) so a test can tell which replica served it.
@@ -45,6 +46,7 @@ from starlette.routing import Route
 
 from loadtest.engine import Engine, EngineConfig, Generation, RequestTooLarge, embedding_vector
 from loadtest.faults import DroppingEventStream, Faults, FaultSettings
+from loadtest.replica_apis import AgentApis
 from loadtest.replica_requests import (ApiError, Prompt, ReplicaIdHeader, body_field, check_n, json_body, max_tokens,
                                         read_prompts, sse, usage_of)
 from loadtest.tokenizer import render_chat, tokenize
@@ -99,6 +101,7 @@ class _Replica:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(self.engine, config.model))
         self.created = int(time.time())
+        self.apis = AgentApis(self)
 
     # --- inference ---------------------------------------------------------------------------------------
 
@@ -338,6 +341,7 @@ class _Replica:
             Route("/v1/completions", self.completions, methods=post),
             Route("/generate", self.generate, methods=post),
             Route("/v1/embeddings", self.embeddings, methods=post),
+            *self.apis.routes(),
             Route("/v1/models", self.models, methods=get),
             *(Route(path, self.health, methods=get) for path in ("/health", "/health_generate", "/ready")),
             Route("/server_info", self.server_info, methods=get),
@@ -353,12 +357,12 @@ class _Replica:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return exc.response()
+    return exc.response(anthropic=request.url.path.startswith("/v1/messages"))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return ApiError(exc.status_code, str(exc.detail)).response()
+    return ApiError(exc.status_code, str(exc.detail)).response(anthropic=request.url.path.startswith("/v1/messages"))
 
 
 def create_replica_app(config: ReplicaConfig) -> Starlette:

@@ -1,5 +1,6 @@
-"""How the simulated replica reads request bodies and shapes its answers: OpenAI's error body, prompt fields
-(text or token ids), SSE lines, usage with cached tokens, and the `x-replica-id` header on every response.
+"""How the simulated replica reads request bodies and shapes its answers: OpenAI's error body (Anthropic's on
+its Messages API), prompt fields (text or token ids), SSE lines, usage with cached tokens, and the
+`x-replica-id` header on every response.
 
 Kept apart from the handlers in `loadtest/replica.py` so each reads as what it does with a request, not how.
 """
@@ -28,7 +29,13 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.error_type = status, message, param, error_type
 
-    def response(self) -> JSONResponse:
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        """OpenAI's error body, or Anthropic's on its Messages API."""
+        if anthropic:
+            kind = {404: "not_found_error", 429: "rate_limit_error"}.get(self.status, "invalid_request_error") \
+                if self.status < 500 else "api_error"
+            return JSONResponse({"type": "error", "error": {"type": kind, "message": self.message}},
+                                status_code=self.status)
         body = {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.status}}
         return JSONResponse(body, status_code=self.status)
 

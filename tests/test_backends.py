@@ -78,7 +78,7 @@ def test_the_gateways_own_resource_failure_never_counts_against_a_backend() -> N
     backend = gateway.pool.backends[0]
     backend.health_check_passed(success_threshold=1)
     routing = gateway.router.routing_request("hello")
-    exchange = Exchange(Endpoint.CHAT, "/v1/chat/completions", {}, b"{}", "m", False, "id", time.monotonic())
+    exchange = Exchange(Endpoint.CHAT, "POST", "/v1/chat/completions", {}, b"{}", "m", False, "id", time.monotonic())
     for _ in range(10):
         placement = gateway.router.place("m", routing)
         assert not gateway.retry_after(placement, exchange, UpstreamFailure(Failure.LOCAL, "EMFILE"), 0)
@@ -91,7 +91,7 @@ def test_a_failure_that_is_not_retried_counts_once() -> None:
                                     outlier=OUTLIER))
     backend = gateway.pool.backends[0]
     backend.health_check_passed(success_threshold=1)
-    exchange = Exchange(Endpoint.CHAT, "/v1/chat/completions", {}, b"{}", "m", False, "id", time.monotonic())
+    exchange = Exchange(Endpoint.CHAT, "POST", "/v1/chat/completions", {}, b"{}", "m", False, "id", time.monotonic())
     placement = gateway.router.place("m", gateway.router.routing_request("hello"))
     broken = UpstreamFailure(Failure.BROKEN_BEFORE_ANSWER, "ServerDisconnectedError")
     assert not gateway.retry_after(placement, exchange, broken, 0)

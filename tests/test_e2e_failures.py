@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import anthropic
 import httpx2
 import openai
 import pytest
@@ -80,6 +81,13 @@ def test_stream_cut_mid_way_ends_with_an_error_event_the_sdk_raises(fleet: Fleet
                                                 messages=[{"role": "user", "content": "hello"}]):
             pass
     client.close()
+    claude = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0,
+                                 http_client=httpx2.Client(trust_env=False, timeout=30))
+    with pytest.raises(anthropic.APIStatusError, match="broke the exchange"):  # Anthropic's `event: error`
+        for _ in claude.messages.create(model="sim-llama-8b", max_tokens=20, stream=True,
+                                        messages=[{"role": "user", "content": "hello"}]):
+            pass
+    claude.close()
     described = httpx2.get(gateway.url + "/backends", trust_env=False).json()["backends"][0]
     assert described["in_flight"] == 0
 

@@ -18,7 +18,7 @@ def test_body_reaches_the_backend_byte_for_byte_and_headers_are_cleaned(fleet: F
                 b' "stream_options": {"include_usage": true}, "no_stop_trim": true, "my_unknown_field": [1, {"a": 2}]}')
         response = httpx2.post(gateway.url + "/v1/chat/completions?api-version=2", content=body, trust_env=False,
                               headers={"content-type": "application/json", "authorization": "Bearer k",
-                                       "cookie": "session=1", "x-request-id": "rid-1",
+                                       "cookie": "session=1", "x-api-key": "k", "x-request-id": "rid-1",
                                        "connection": "keep-alive, x-hop", "x-hop": "1", "te": "trailers",
                                        "accept-encoding": "identity", "x-forwarded-for": "6.6.6.6"})
     assert response.status_code == 200
@@ -26,7 +26,7 @@ def test_body_reaches_the_backend_byte_for_byte_and_headers_are_cleaned(fleet: F
     forwarded = captured.headers[0]
     assert forwarded["x-request-id"] == "rid-1"
     # Credentials are for the gateway; hop-by-hop headers and those Connection names stop here.
-    assert not {"authorization", "cookie", "te", "x-hop"} & set(forwarded)
+    assert not {"authorization", "cookie", "x-api-key", "te", "x-hop"} & set(forwarded)
     # Exactly the encoding the client asked for; the client's address, not what an untrusted client claimed.
     assert forwarded["accept-encoding"] == "identity"
     assert forwarded["x-forwarded-for"] == "127.0.0.1" and forwarded["forwarded"] == "for=127.0.0.1"

@@ -1,6 +1,8 @@
-from gateway.policies import Route
+from gateway.backends import Pool
+from gateway.policies import PolicyName, Route
 from gateway.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin
 from gateway.policies.cache_aware import CacheAware
+from gateway.router import Router, RoutingConfig
 from tests.policy_fixtures import make_backends, request, text
 
 
@@ -76,3 +78,26 @@ def test_cache_aware_imbalance_gate_throws_affinity_away() -> None:
     backends[0].in_flight, backends[1].in_flight = 100, 10
     decision = cache_aware().choose(backends, request(shared + "q"))
     assert decision.backend is backends[1] and decision.route is Route.IMBALANCE
+
+
+def test_least_loaded_placement_ignores_where_the_prompt_is_cached() -> None:
+    backends = make_backends(2)
+    router = Router(Pool([], 1, 1), RoutingConfig())
+    router.pool.backends = backends
+    prompt = request(text("shared", 640))
+    backends[0].index.insert(prompt.hashes)
+    backends[0].in_flight = 3
+    placement = router.place_least_loaded("m", prompt)
+    assert placement.backend is backends[1] and placement.decision.route is Route.LEAST_LOAD
+    placement.finish()
+
+
+def test_placement_on_an_owner_reserves_it_whatever_the_policy_would_pick() -> None:
+    backends = make_backends(3)
+    router = Router(Pool([], 1, 1), RoutingConfig(policy=PolicyName.ROUND_ROBIN))
+    router.pool.backends = backends
+    placement = router.place_on(backends[2], request("follow-up"))
+    assert placement.backend is backends[2] and placement.decision.route is Route.OWNER
+    assert backends[2].in_flight == 1
+    placement.finish()
+    assert backends[2].in_flight == 0

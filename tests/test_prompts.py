@@ -1,4 +1,4 @@
-from gateway.prompts import Endpoint, render_chat, routing_text, validate_body
+from gateway.prompts import Endpoint, multipart_fields, render_chat, routing_text, validate_body
 
 
 def test_chat_rendering_of_a_turn_is_a_prefix_of_the_next_turn() -> None:
@@ -34,3 +34,69 @@ def test_validation_names_what_is_wrong() -> None:
 def test_a_text_part_whose_text_is_not_a_string_still_renders() -> None:
     odd = [{"role": "user", "content": [{"type": "text", "text": None}, {"type": "text", "text": 7}]}]
     assert render_chat(odd) != render_chat([{"role": "user", "content": []}])  # the engine judges it, not us
+
+
+TOOLS = [{"type": "function", "name": "search", "parameters": {"type": "object"}}]
+
+
+def test_responses_text_of_a_turn_is_a_prefix_of_the_next_when_the_conversation_is_resent() -> None:
+    turn1 = {"instructions": "Be brief.", "input": "What is KV caching?", "tools": TOOLS}
+    answer = {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Reusing attention state.", "annotations": []}]}
+    call = {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "search", "arguments": "{}"}
+    turn2 = {**turn1, "input": [{"role": "user", "content": "What is KV caching?"}, answer, call,
+                                {"type": "function_call_output", "call_id": "c1", "output": "found"}]}
+    turn3 = {**turn2, "input": [*turn2["input"], {"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "And paging?"}]}]}
+    texts = [routing_text(Endpoint.RESPONSES, turn) for turn in (turn1, turn2, turn3)]
+    assert texts[1].startswith(texts[0]) and texts[2].startswith(texts[1])
+    assert "Reusing attention state." in texts[1] and "Be brief." in texts[0]
+
+
+def test_responses_items_render_without_the_engines_ids_and_statuses() -> None:
+    call = {"type": "function_call", "call_id": "c1", "name": "search", "arguments": "{}"}
+    with_ids = {"input": [{**call, "id": "fc_9", "status": "completed"}]}
+    assert routing_text(Endpoint.RESPONSES, with_ids) == routing_text(Endpoint.RESPONSES, {"input": [call]})
+
+
+def test_responses_instructions_and_tools_change_the_text() -> None:
+    plain = routing_text(Endpoint.RESPONSES, {"input": "hi"})
+    assert routing_text(Endpoint.RESPONSES, {"input": "hi", "instructions": "x"}) != plain
+    assert routing_text(Endpoint.RESPONSES, {"input": "hi", "tools": TOOLS}) != plain
+
+
+def test_messages_text_of_a_turn_is_a_prefix_of_the_next() -> None:
+    system = [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}]
+    turn1 = {"system": system, "tools": [{"name": "bash", "input_schema": {"type": "object"}}],
+             "messages": [{"role": "user", "content": "List files."}]}
+    use = {"type": "tool_use", "id": "tu_1", "name": "bash", "input": {"cmd": "ls"}}
+    result = {"type": "tool_result", "tool_use_id": "tu_1", "content": "a.py"}
+    turn2 = {**turn1, "messages": [*turn1["messages"], {"role": "assistant", "content": [use]},
+                                   {"role": "user", "content": [result]}]}
+    first, second = routing_text(Endpoint.MESSAGES, turn1), routing_text(Endpoint.MESSAGES, turn2)
+    assert second.startswith(first) and "You are a coding agent." in first
+
+
+def test_messages_system_as_a_string_or_a_text_block_routes_alike() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    as_string = routing_text(Endpoint.MESSAGES, {"system": "Be kind.", "messages": messages})
+    as_block = routing_text(Endpoint.MESSAGES, {"system": [{"type": "text", "text": "Be kind."}],
+                                                "messages": messages})
+    assert as_string == as_block
+
+
+def test_new_endpoints_are_validated_for_what_routing_reads() -> None:
+    assert validate_body(Endpoint.RESPONSES, {"input": "x", "previous_response_id": "resp_1"}) is None
+    assert validate_body(Endpoint.RESPONSES, {"input": 3}) == "'input' has the wrong type."
+    assert validate_body(Endpoint.MESSAGES, {"messages": []}) == "'messages' must contain at least one message."
+    assert validate_body(Endpoint.MESSAGES, {"system": 1, "messages": [{}]}) == "'system' has the wrong type."
+    assert validate_body(Endpoint.TOKENIZE, {"prompt": "x"}) is None
+    assert routing_text(Endpoint.SCORE, {"query": "q", "documents": ["d"]}) == ""
+
+
+def test_multipart_fields_are_found_without_decoding_the_upload() -> None:
+    body = (b'--B\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\nContent-Type: audio/wav\r\n\r\n'
+            b'RIFF\x00\xff\r\nname="model"\r\n--B\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n'
+            b'--B\r\ncontent-disposition: form-data; name="stream"\r\n\r\ntrue\r\n--B--\r\n')
+    assert multipart_fields(body, "multipart/form-data; boundary=B") == {"model": "whisper", "stream": True}
+    assert multipart_fields(body, "application/json") == {}

@@ -293,3 +293,52 @@ def test_config_is_read_only() -> None:
     config = RewriteConfig(actions={"uuid": Action.KEEP})
     with pytest.raises(TypeError):
         config.actions["uuid"] = Action.MOVE  # type: ignore[index]
+
+
+def test_messages_billing_header_block_of_the_system_is_moved_to_the_last_message() -> None:
+    header = "x-anthropic-billing-header: cc_version=1.0.83.abc; cc_entrypoint=cli; cch=7f3a9c1e5b2d4f60;"
+    body = {"model": "m", "max_tokens": 8,
+            "system": [{"type": "text", "text": header}, {"type": "text", "text": "You are Claude Code."}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Fix the bug.",
+                                                       "cache_control": {"type": "ephemeral"}}]}]}
+    original = copy.deepcopy(body)
+    result = Rewriter(RewriteConfig()).rewrite(Endpoint.MESSAGES, body, "m")
+    assert body == original and result.body is not None
+    assert [block["text"] for block in result.body["system"]] == ["", "You are Claude Code."]
+    last = result.body["messages"][-1]["content"][0]
+    assert last["text"] == "Fix the bug." + TRAILER + header and last["cache_control"] == {"type": "ephemeral"}
+    assert [hit.rule for hit in result.hits] == ["billing_header"]
+
+
+def test_messages_with_a_string_system_and_no_system_are_rewritten_too() -> None:
+    rewriter = Rewriter(RewriteConfig())
+    body = {"system": f"Request ID: {UUID}\nBe brief.", "messages": [{"role": "user", "content": "hi"}]}
+    result = rewriter.rewrite(Endpoint.MESSAGES, body, "m")
+    assert result.body is not None and result.body["system"] == "Be brief."
+    assert result.body["messages"][0]["content"] == "hi" + TRAILER + f"Request ID: {UUID}"
+    bare = rewriter.rewrite(Endpoint.MESSAGES, {"messages": [{"role": "user", "content": UUID + " hi"}]}, "m")
+    assert bare.body is not None and bare.body["messages"][0]["content"] == "hi" + TRAILER + UUID
+
+
+def test_responses_instructions_are_searched_and_the_spans_moved_to_the_input() -> None:
+    rewriter = Rewriter(RewriteConfig())
+    body = {"model": "m", "instructions": f"Request ID: {UUID}\nBe brief.", "input": "hi", "store": True}
+    result = rewriter.rewrite(Endpoint.RESPONSES, body, "m")
+    assert result.body == {"model": "m", "instructions": "Be brief.", "input": "hi" + TRAILER + f"Request ID: {UUID}",
+                           "store": True}
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"{UUID} Go."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+             {"role": "user", "content": [{"type": "input_image", "image_url": "data:a"}]}]
+    result = rewriter.rewrite(Endpoint.RESPONSES, {"input": items}, "m")
+    assert result.body is not None
+    first, _, last = result.body["input"]
+    assert first["content"][0] == {"type": "input_text", "text": "Go."}
+    assert last["content"][1] == {"type": "input_text", "text": MARKER + "\n" + UUID}
+
+
+def test_responses_function_call_items_are_neither_searched_nor_given_a_trailer() -> None:
+    output = {"type": "function_call_output", "call_id": "c1", "output": f"ran at 2024-05-01T10:00:00Z {UUID}"}
+    body = {"instructions": f"Trace ID: {UUID}", "input": [{"role": "user", "content": "go"}, output]}
+    result = Rewriter(RewriteConfig()).rewrite(Endpoint.RESPONSES, body, "m")
+    assert result.body is None  # nowhere to move the span to: kept, only counted
+    assert [hit.action for hit in result.hits] == [Action.KEEP]

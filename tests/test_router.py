@@ -24,7 +24,7 @@ def gateway() -> Gateway:
 def answer(gateway: Gateway, prompt: str, status: int) -> None:
     routing = gateway.router.routing_request(prompt)
     placement = gateway.router.place("m", routing)
-    exchange = Exchange(Endpoint.CHAT, "/v1/chat/completions", {}, b"{}", "m", False, "id", time.monotonic())
+    exchange = Exchange(Endpoint.CHAT, "POST", "/v1/chat/completions", {}, b"{}", "m", False, "id", time.monotonic())
     gateway.record(placement, exchange, Outcome(status=status))
 
 

@@ -1,5 +1,6 @@
 import json
 
+from gateway.responses import response_id_of
 from gateway.usage import Usage, UsageTap, usage_from
 
 
@@ -50,3 +51,43 @@ def test_non_stream_body_over_the_cap_is_dropped_not_kept_in_pieces() -> None:
     tap.feed(b'{"padding": "' + b"x" * 100)  # over the cap: nothing of this body is held any more
     tap.feed(b'{"usage": {"prompt_tokens": 3}}')  # a small tail must not be parsed as if it were the body
     assert tap.usage() is None
+
+
+def named(name: str, payload: object) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+def test_reads_the_responses_api_and_anthropic_shapes() -> None:
+    responses = {"usage": {"input_tokens": 90, "input_tokens_details": {"cached_tokens": 64}, "output_tokens": 5}}
+    assert usage_from(responses) == Usage(90, 64)
+    # Anthropic counts cache reads (and writes) beside input_tokens; vLLM's Messages server sends input_tokens alone.
+    anthropic = {"usage": {"input_tokens": 26, "cache_read_input_tokens": 64, "cache_creation_input_tokens": 0}}
+    assert usage_from(anthropic) == Usage(90, 64)
+    assert usage_from({"usage": {"input_tokens": 90, "output_tokens": 5}}) == Usage(90, None)
+
+
+def test_responses_stream_usage_and_id_come_from_response_completed() -> None:
+    def response(status: str, usage: object) -> dict[str, object]:
+        return {"id": "resp_1", "status": status, "usage": usage}
+
+    stream = (named("response.created", {"type": "response.created", "response": response("in_progress", None)})
+              + named("response.output_text.delta", {"type": "response.output_text.delta", "delta": "hi"})
+              + named("response.completed", {"type": "response.completed", "response": response("completed", {
+                  "input_tokens": 40, "input_tokens_details": {"cached_tokens": 32}})}))
+    tap = UsageTap(streaming=True)
+    for start in range(0, len(stream), 9):
+        tap.feed(stream[start:start + 9])
+    assert tap.usage() == Usage(40, 32)
+    assert response_id_of(tap.payload()) == "resp_1"
+
+
+def test_anthropic_stream_usage_comes_from_message_delta() -> None:
+    tap = UsageTap(streaming=True)
+    tap.feed(named("message_start", {"type": "message_start", "message": {"id": "msg_1", "usage": {
+        "input_tokens": 10, "cache_read_input_tokens": 30, "output_tokens": 1}}}))
+    tap.feed(named("content_block_delta", {"type": "content_block_delta", "delta": {"text": "x"}}))
+    assert tap.usage() == Usage(40, 30)  # message_start alone is enough when the stream breaks
+    tap = UsageTap(streaming=True)
+    tap.feed(named("message_delta", {"type": "message_delta", "usage": {
+        "input_tokens": 8, "cache_read_input_tokens": 32, "output_tokens": 4}}) + named("message_stop", {}))
+    assert tap.usage() == Usage(40, 32)

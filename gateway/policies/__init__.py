@@ -26,6 +26,7 @@ class Route(str, Enum):
     ROUND_ROBIN = "round-robin"
     RANDOM = "random"
     POWER_OF_TWO = "power-of-two"
+    OWNER = "owner"                  # it holds the stored response the request continues (gateway/responses.py)
 
 
 @dataclass(frozen=True)
