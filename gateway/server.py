@@ -10,17 +10,24 @@ what is left. Several workers share the port with SO_REUSEPORT; the kernel sprea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import resource
+import shutil
 import signal
+import socket
+import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import replace
 from types import FrameType
 
 from aiohttp import web
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +72,44 @@ def serve(config: GatewayConfig) -> int:
     if config.workers == 1:
         serve_worker(config, reuse_port=False)
         return 0
-    return Supervisor(config).run()
+    if config.state is not None:
+        return Supervisor(config).run()
+    with private_store() as url:
+        return Supervisor(replace(config, state=url)).run()
+
+
+@contextlib.contextmanager
+def private_store() -> Iterator[str]:
+    """A redis-server of the workers' own on a loopback port, for --workers N without --state: workers that
+    share nothing each learn only their own placements (3 instances: 45% hits on shared-prefix, against 76%
+    for one; README "Several instances"). Refuses when redis-server is not installed."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise ConfigError("--workers N needs shared state: give --state redis://HOST:PORT/DB, or install "
+                          "redis-server so the workers can start a private one")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                                "--appendonly", "no", "--protected-mode", "yes"], stdout=subprocess.DEVNULL)
+    try:
+        _wait_for_port(port, process)
+        logger.info("workers share state through a private redis-server on 127.0.0.1:%d", port)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _wait_for_port(port: int, process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise ConfigError(f"the private redis-server for --workers did not start on port {port}")
 
 
 class Supervisor:
