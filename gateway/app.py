@@ -81,7 +81,7 @@ STORED_RESPONSE_ROUTES = (("GET", "/v1/responses/{response_id}"), ("DELETE", "/v
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per request, made and updated on the hot path: not frozen, which costs per field
 class Exchange:
     endpoint: Endpoint
     method: str
@@ -187,6 +187,8 @@ class Gateway:
     async def read_body(self, request: web.Request) -> bytes:
         """The whole body, bounded in size (the app's client_max_size: 413 above it) and in time."""
         try:
+            if request.content.is_eof():  # all of it arrived with the headers (most bodies): no timer needed
+                return await request.read()
             async with asyncio.timeout(self.config.client_body_timeout_s):
                 return await request.read()
         except TimeoutError:
@@ -320,13 +322,12 @@ class Gateway:
     def record_usage(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
         usage = outcome.usage
         assert usage is not None
-        labels = (exchange.model, placement.backend.url)
-        self.metrics.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
+        prompt, cached, predicted = self.metrics.token_counters(exchange.model, placement.backend.url)
+        prompt.inc(usage.prompt_tokens)
         if usage.cached_tokens is None:
             return
-        predicted = min(placement.predicted_cached_tokens, usage.prompt_tokens)
-        self.metrics.cached_tokens.labels(*labels).inc(usage.cached_tokens)
-        self.metrics.predicted_cached_tokens.labels(*labels).inc(predicted)
+        cached.inc(usage.cached_tokens)
+        predicted.inc(min(placement.predicted_cached_tokens, usage.prompt_tokens))
         if outcome.status < 400 and placement.learn(usage.cached_tokens):
             self.metrics.index_corrections.labels(placement.backend.url).inc()
 

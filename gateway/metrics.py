@@ -127,6 +127,7 @@ class GatewayMetrics:
         self.upstream_errors = Counter("gateway_upstream_errors", "Failed exchanges with a backend, by kind",
                                        ["backend", "kind"], registry=self.registry)
         self._children: dict[tuple[str, ...], tuple[Any, Buckets, Buckets, Buckets]] = {}
+        self._token_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         self.rewritten_spans = Counter("gateway_rewrite_spans", "Volatile spans found near the prompt start",
                                        ["rule", "action"], registry=self.registry)
 
@@ -148,6 +149,15 @@ class GatewayMetrics:
             ttfb.observe(ttfb_s)
         if match is not None:
             prefix_match.observe(match)
+
+    def token_counters(self, model: str, backend: str) -> tuple[Any, Any, Any]:
+        """The prompt, cached and predicted-cached token counters of one model on one backend, bound once."""
+        key = (model, backend)
+        counters = self._token_children.get(key)
+        if counters is None:
+            counters = self._token_children[key] = (self.prompt_tokens.labels(*key), self.cached_tokens.labels(*key),
+                                                    self.predicted_cached_tokens.labels(*key))
+        return counters
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

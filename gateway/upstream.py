@@ -134,6 +134,7 @@ class UpstreamClient:
         self.first_byte_timeout_s = first_byte_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}  # by first-byte timeout: made once, not per request
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0, enable_cleanup_closed=False)
@@ -154,8 +155,11 @@ class UpstreamClient:
     async def open(self, method: str, url: str, body: bytes, headers: Sequence[tuple[str, str]],
                    first_byte_timeout_s: float | None = None) -> UpstreamResponse:
         """Send the request and wait for the status line and headers; raises UpstreamFailure."""
-        timeout = aiohttp.ClientTimeout(sock_connect=self.connect_timeout_s,
-                                        sock_read=first_byte_timeout_s or self.first_byte_timeout_s)
+        first_byte_s = first_byte_timeout_s or self.first_byte_timeout_s
+        timeout = self._timeouts.get(first_byte_s)
+        if timeout is None:
+            timeout = self._timeouts[first_byte_s] = aiohttp.ClientTimeout(sock_connect=self.connect_timeout_s,
+                                                                           sock_read=first_byte_s)
         try:
             response = await self.session.request(method, url, data=body or None, headers=headers,
                                                   timeout=timeout, allow_redirects=False)
