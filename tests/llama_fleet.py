@@ -61,8 +61,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PREFIX_GATEWAY_CACHE") or Path.home() / ".cache" / "prefix-gateway")
 
 
-def read_env(path: Path | None = None) -> dict[str, str] | None:
-    """The KEY=VALUE pairs of real-engine.env, or None if it (or a path in it) is missing."""
+def read_env(path: Path | None = None, required: tuple[str, ...] = ("LLAMA_SERVER", "TINY_MODEL")
+             ) -> dict[str, str] | None:
+    """The KEY=VALUE pairs of an engine's env file (real-engine.env by default), or None if it is missing or a
+    `required` path in it does not exist."""
     path = path or cache_dir() / "real-engine.env"
     try:
         text = path.read_text()
@@ -74,7 +76,7 @@ def read_env(path: Path | None = None) -> dict[str, str] | None:
         if line and not line.startswith("#") and "=" in line:
             k, v = line.split("=", 1)
             env[k.strip()] = v.strip()
-    for key in ("LLAMA_SERVER", "TINY_MODEL"):
+    for key in required:
         if not env.get(key) or not Path(env[key]).exists():
             return None
     return env

