@@ -43,7 +43,7 @@ from gateway.errors import (BadRequest, ErrorShape, GatewayError, GatewayOverloa
                             StoredResponseUnavailable)
 from gateway.headers import HeaderPolicy, client_request_id, forwarded_headers
 from gateway.health import Upkeep
-from gateway.logs import ACCESS_LOGGER, flush_every
+from gateway.logs import AccessLog, flush_every
 from gateway.metrics import GatewayMetrics
 from gateway.policies import RoutingRequest
 from gateway.prompts import Endpoint, multipart_fields, parse_json, routing_text, validate_body
@@ -55,7 +55,6 @@ from gateway.shared_state import shared_state
 from gateway.upstream import Failure, UpstreamClient, UpstreamFailure, UpstreamResponse, log_ignored_proxy_environment
 
 logger = logging.getLogger(__name__)
-access_log = logging.getLogger(ACCESS_LOGGER)
 
 GENERATION_PATHS = {
     "/v1/chat/completions": Endpoint.CHAT,
@@ -112,6 +111,7 @@ class Gateway:
         self.keys = ApiKeys(config.api_keys, config.admin_api_keys)
         self.header_policy = HeaderPolicy(config.forward_client_credentials, config.trusted_proxies)
         self.responses = ResponseOwners(config.responses_max_ids, config.responses_ttl_s)
+        self.log_access = AccessLog()
         self.open_relays: set[Relay] = set()
         self.stopping = False
         self.log_flusher: asyncio.Task[None] | None = None
@@ -316,8 +316,9 @@ class Gateway:
                                   now_s - placement.placed_s, outcome.ttfb_s, placement.match_fraction)
         if outcome.error and outcome.ending is not Ending.CLIENT_GONE:
             self.metrics.upstream_errors.labels(backend.url, outcome.error).inc()
-        log_access(exchange.method, exchange.path, exchange.model, backend.url, route, placement.match_fraction,
-                   outcome.label, outcome.error, now_s - exchange.started_s, exchange.request_id)
+        self.log_access(exchange.method, exchange.path, exchange.model, backend.url, route,
+                        placement.match_fraction, outcome.label, outcome.error, now_s - exchange.started_s,
+                        exchange.request_id)
 
     def record_usage(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
         usage = outcome.usage
@@ -337,9 +338,9 @@ class Gateway:
         model = request.get("model", "")
         self.metrics.request_done(endpoint.value if endpoint else "other", model, "", "", str(error.status_code),
                                   None, None, None)
-        log_access(request.method, request.path, model, "", "", 0.0, str(error.status_code),
-                   error.code or error.error_type, time.monotonic() - request["started_s"],
-                   request.get("request_id", ""))
+        self.log_access(request.method, request.path, model, "", "", 0.0, str(error.status_code),
+                        error.code or error.error_type, time.monotonic() - request["started_s"],
+                        request.get("request_id", ""))
 
     # -- read-only endpoints ----------------------------------------------------------------------------
 
@@ -413,24 +414,6 @@ def endpoint_of(request: web.Request) -> Endpoint | None:
     if request.path in RELAYED_PATHS:
         return RELAYED_PATHS[request.path]
     return Endpoint.RESPONSES if "response_id" in request.match_info else None
-
-
-def log_access(method: str, path: str, model: str, backend: str, route: str, match: float, status: str,
-               error: str | None, duration_s: float, request_id_: str) -> None:
-    """One line per request. The record is made and handed over directly: `Logger.info` would also walk the
-    stack to find its caller, a third of a log line's cost, and the caller is always this function."""
-    if not access_log.isEnabledFor(logging.INFO):
-        return
-    duration_ms = round(duration_s * 1000, 1)
-    record = access_log.makeRecord(
-        access_log.name, logging.INFO, __file__, 0,
-        "%s %s model=%s backend=%s route=%s match=%.3f status=%s%s duration_ms=%.1f id=%s",
-        (method, path, model, backend, route, match, status, f" error={error}" if error else "", duration_ms,
-         request_id_),
-        None, extra={"method": method, "path": path, "model": model, "backend": backend, "route": route,
-                     "match": round(match, 3), "status": status, "error": error, "duration_ms": duration_ms,
-                     "request_id": request_id_})
-    access_log.handle(record)
 
 
 def error_middleware(gateway: Gateway) -> Middleware:
