@@ -54,6 +54,7 @@ class ModelInfo:
 class EngineInfo:
     engine: Engine
     capacity_tokens: int | None
+    embedding: bool | None = None  # an embedding model (serves no text generation); None: the engine does not say
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,8 @@ class SGLang:
         info = await self.server_info(client, url, timeout_s)
         if info is None or not _positive_int(info.get("max_total_num_tokens")):
             return None
-        return EngineInfo(self.engine, info["max_total_num_tokens"])
+        embedding = info.get("is_embedding")
+        return EngineInfo(self.engine, info["max_total_num_tokens"], embedding if isinstance(embedding, bool) else None)
 
     async def served_model(self, client: Fetcher, url: str, timeout_s: float) -> str | None:
         info = await self.server_info(client, url, timeout_s)

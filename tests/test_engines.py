@@ -90,7 +90,13 @@ def test_vllm_load_sums_queues_over_data_parallel_engines_and_averages_kv_usage(
 
 @pytest.mark.parametrize("info_path", ["/server_info", "/get_server_info"])
 def test_sglang_capacity_comes_from_server_info_old_path_or_new(info_path: str) -> None:
-    assert engine_of(sglang(info_path)) == EngineInfo(Engine.SGLANG, 60000)
+    assert engine_of(sglang(info_path)) == EngineInfo(Engine.SGLANG, 60000, embedding=False)
+
+
+def test_sglang_says_when_it_serves_an_embedding_model() -> None:
+    info = fixture("sglang", "server_info.json").replace('"is_embedding": false', '"is_embedding": true')
+    assert engine_of(FakeFetcher({"/server_info": info})).embedding is True
+    assert engine_of(vllm()).embedding is None  # vLLM does not say
 
 
 def test_sglang_model_falls_back_to_server_info_without_v1_models() -> None:
