@@ -7,7 +7,6 @@ import pytest
 from gateway.cli import build_parser, config_from_args
 from gateway.config import OPTIONS, build_config
 from gateway.errors import ConfigError
-from gateway.policies import registry
 from gateway.policies.cache_aware import CacheAwareConfig
 from gateway.policies.prefix_aware import PrefixAwareConfig
 

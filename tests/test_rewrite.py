@@ -6,8 +6,7 @@ import pytest
 
 from gateway.errors import BadRequest, ConfigError
 from gateway.prompts import Endpoint
-from gateway.rewrite import (BUILTIN_RULE_NAMES, MARKER, Action, RewriteConfig, Rewriter, RuleSpec,
-                             enabled_for)
+from gateway.rewrite import BUILTIN_RULE_NAMES, MARKER, Action, RewriteConfig, Rewriter, RuleSpec, enabled_for
 
 UUID = "8f1c2d3e-4b5a-4c6d-9e8f-0a1b2c3d4e5f"
 TRAILER = "\n\n" + MARKER + "\n"

@@ -23,8 +23,8 @@ def decide(backend: Backend, route: Route, request: RoutingRequest) -> Decision:
 
 
 def least_loaded(backends: Sequence[Backend], start: int = 0) -> Backend:
-    """The backend with the fewest in-flight requests (from every instance sharing state); ties go to the first at or after `start` (rotating it
-    spreads ties instead of piling them onto the first registered backend)."""
+    """The backend with the fewest in-flight requests (from every instance sharing state); ties go to the first at
+    or after `start` (rotating it spreads ties instead of piling them onto the first registered backend)."""
     count = len(backends)
     rotated = [backends[(start + i) % count] for i in range(count)]
     return min(rotated, key=lambda backend: backend.fleet_in_flight)

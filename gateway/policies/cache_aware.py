@@ -14,9 +14,9 @@ Knobs keep sglang-router's names and defaults: `cache_threshold` 0.3, `balance_a
 64-character blocks in per-backend indexes (the same question, answered at block granularity), and our indexes
 are bounded by what each backend can hold rather than by `max_tree_size` characters alone.
 
-Its weaknesses are kept on purpose, so that the baseline is the policy as deployed: a shared system prompt above the threshold pins all
-traffic to its first owner until the imbalance gate trips, ties favour the first backend, and rebalancing
-throws affinity away. `prefix_aware` is the policy that fixes them.
+Its weaknesses are kept on purpose, so that the baseline is the policy as deployed: a shared system prompt
+above the threshold pins all traffic to its first owner until the imbalance gate trips, ties favour the first
+backend, and rebalancing throws affinity away. `prefix_aware` is the policy that fixes them.
 """
 
 from __future__ import annotations
