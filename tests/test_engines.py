@@ -112,6 +112,7 @@ def test_sglang_load_reads_queue_running_and_token_usage() -> None:
 def test_llama_cpp_capacity_is_one_slots_context() -> None:
     assert engine_of(llama_cpp()) == EngineInfo(Engine.LLAMA_CPP, 4096)
     assert model_of(llama_cpp()) == "tiny-llama"
+    assert model_of(FakeFetcher({"/props": fixture("llama_cpp", "props.json")})) == "tiny-llama"  # its alias
 
 
 def test_llama_cpp_load_has_queue_and_running_but_no_kv_gauge() -> None:

@@ -127,8 +127,9 @@ def test_reads_each_engines_json_answer(engine: str, name: str, expected: Usage 
     ("sglang", "generate_stream.sse", REPORTED),
     ("llama_cpp", "chat_stream.sse", REPORTED),  # no usage chunk: the last chunk's timings say it
     ("llama_cpp", "chat_stream_include_usage.sse", REPORTED),
+    ("llama_cpp", "chat_stream_error.sse", None),
 ])
-def test_reads_each_engines_stream_in_any_chunking(engine: str, name: str, expected: Usage) -> None:
+def test_reads_each_engines_stream_in_any_chunking(engine: str, name: str, expected: Usage | None) -> None:
     stream = (FIXTURES / engine / name).read_bytes()
     for size in (1, 13, len(stream)):
         tap = UsageTap(streaming=True)
