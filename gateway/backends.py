@@ -105,6 +105,7 @@ class Backend:
     model: str | None = None
     model_card: dict[str, Any] = field(default_factory=dict)  # the backend's own /v1/models entry
     engine: Engine | None = None  # None until discovered
+    embedding: bool | None = None  # serves an embedding model; None: its engine does not say
     healthy: bool = False
     failed_checks: int = 0  # health checks failed in a row
     passed_checks: int = 0  # ...and passed in a row
@@ -235,6 +236,7 @@ class Backend:
     def discovered_engine(self, found: EngineInfo, index_capacity_blocks: Callable[[int | None], int]) -> None:
         """The engine and its KV capacity (a configured capacity wins); the prefix index is bounded to match."""
         self.engine = found.engine
+        self.embedding = found.embedding
         self.capacity_tokens = self.spec.capacity_tokens or found.capacity_tokens
         self.index.capacity_blocks = index_capacity_blocks(self.capacity_tokens)
         logger.info("backend %s: %s engine, model %s, KV capacity %s tokens", self.url, self.engine.value,
@@ -317,7 +319,16 @@ class Pool:
             return known[0]
         if not known:
             raise NoHealthyBackend("No backend has answered yet, so no model is known.", self._retry_after_s)
-        raise BadRequest(f"'model' is required: this gateway serves {', '.join(known)}.", param="model")
+        raise BadRequest(f"'model' is required: this gateway serves {self._served()}.", param="model")
+
+    def _served(self) -> str:
+        """The known models, embedding models (where the engine says so) named apart from the others."""
+        embedding = {b.model for b in self.backends if b.model and b.embedding}
+        others = [model for model in self.models(healthy_only=False) if model not in embedding]
+        if not embedding:
+            return ", ".join(others)
+        listed = ", ".join(sorted(embedding))
+        return f"{', '.join(others)} (embedding models: {listed})" if others else f"embedding models: {listed}"
 
     def serving(self, model: str, exclude: Iterable[Backend] = ()) -> list[Backend]:
         """The healthy backends of `model` that ejection admits, less `exclude`. When ejection admits none of

@@ -3,9 +3,9 @@
 Every request reserves its uncached prompt tokens on the backend it is sent to until its first byte arrives
 (the router does it at decision time, so a burst sees its own placements). Counted at full size, though, a
 request sent 20 ms ago to a backend that prefills it in 25 ms weighs as much as one sent just now. Routing was
-then blind to the difference: in a burst that kept every backend busy, the newcomer went to whichever ran
-fewer requests, not to the one about to be free (`unique` at light load: p99 TTFT 1.07x round robin's, whose
-rotation happens to pick the backend served longest ago).
+then blind to the difference: in a burst that keeps every backend busy, the newcomer went to whichever ran
+fewer requests, not to the one about to be free (round robin's rotation, by luck, picks the backend served
+longest ago, and beat it).
 
 So the oldest pending request -- the one the engine works on (SGLang's scheduler runs prefill first, FCFS) --
 is credited with the progress the backend would have made on it since it started (since the first byte of the
@@ -19,8 +19,8 @@ anything. No credit is given until `MIN_SAMPLES` first bytes have taught the rat
 
 Only the oldest request is credited, never the ones behind it: a backend that stops making progress (its KV
 pool full, requests waiting for admission) keeps all but one of them in its backlog however long they wait.
-Crediting the whole queue at the learned rate sent more and more conversations to such a backend under
-overload (`multiturn`: p99 TTFT 0.84 s, against round robin's 0.66 s).
+Crediting the whole queue at the learned rate sends more and more conversations to such a backend under
+overload.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + option.key.replace("_", "-"), dest=option.key, default=argparse.SUPPRESS,
                             action="append" if option.repeatable else "store",
                             metavar=option.metavar or option.key.split("_")[-1].upper(),
-                            help=f"{option.help} (default: {_shown_default(default)})")
+                            help=f"{option.shown_help} (default: {_shown_default(default)})")
 
 
 def _shown_default(value: Any) -> str:
@@ -95,7 +95,7 @@ def check_config(args: argparse.Namespace) -> int:
     """Validate a config file as `serve --config FILE` would, without starting; errors exit 2 (see main)."""
     config = build_config(load_toml(args.file), {})
     backends = f"{len(config.backends)} backends" if config.backends else "no backends (give --backend when serving)"
-    print(f"{args.file}: valid: policy {config.routing.policy.value}, {backends}, listens on {config.host}:"
+    print(f"{args.file}: valid: policy {config.routing.policy}, {backends}, listens on {config.host}:"
           f"{config.port}, rewrite {'on' if config.rewrite.enabled else 'off'}, log {config.log_format}")
     return 0
 

@@ -17,13 +17,15 @@ from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
 
+from gateway import validate
 from gateway.backends import BackendSpec
 from gateway.errors import ConfigError
 from gateway.headers import Network, parse_networks
 from gateway.outlier import OutlierConfig
-from gateway.policies import PolicyName
+from gateway.policies import registry
 from gateway.rewrite_config import RewriteConfig
 from gateway.router import RoutingConfig
+from gateway.validate import at_least, boolean, fraction, integer, number, string, strings
 
 
 @dataclass(frozen=True)
@@ -72,55 +74,18 @@ class GatewayConfig:
 
     def index_capacity_blocks(self, kv_capacity_tokens: int | None) -> int:
         """A backend's prefix-index bound in blocks: `max_tree_size` characters, or less when the share of its KV
-        pool the policy models (`RoutingConfig.index_share`) holds fewer."""
+        pool the policy models (its config's `index_share`) holds fewer."""
         routing = self.routing
         bound_chars = self.max_tree_size
         if kv_capacity_tokens:
-            modelled_tokens = kv_capacity_tokens * routing.index_share
+            modelled_tokens = kv_capacity_tokens * routing.policy_config.index_share
             bound_chars = min(bound_chars, int(modelled_tokens * routing.chars_per_token))
         return max(1, bound_chars // routing.block_chars)
 
 
-def _int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"{key} must be an integer, got {value!r}") from None
-
-
-def _float(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"{key} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError(f"{key} must be a number, got {value!r}") from None
-
-
-def _str(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise ConfigError(f"{key} must be true or false, got {value!r}")
-
-
-def _strings(key: str, value: Any) -> tuple[str, ...]:
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return tuple(_str(key, item) for item in values)
-
-
 def _networks(key: str, value: Any) -> tuple[Network, ...]:
     try:
-        return parse_networks(_strings(key, value))
+        return parse_networks(strings(key, value))
     except ValueError as exc:
         raise ConfigError(f"{key} must list IP addresses or networks like 10.0.0.0/8, got {value!r}: {exc}") from None
 
@@ -128,40 +93,14 @@ def _networks(key: str, value: Any) -> tuple[Network, ...]:
 def _workers(key: str, value: Any) -> int:
     if value == "auto":
         return os.cpu_count() or 1
-    return _at_least(1, _int)(key, value)
-
-
-def _choice(enum: type[Enum]) -> Callable[[str, Any], Any]:
-    def parse(key: str, value: Any) -> Any:
-        try:
-            return enum(value)
-        except ValueError:
-            allowed = ", ".join(str(member.value) for member in enum)
-            raise ConfigError(f"{key} must be one of {allowed}, got {value!r}") from None
-    return parse
-
-
-def _at_least(minimum: float, parse: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
-    def checked(key: str, value: Any) -> Any:
-        parsed = parse(key, value)
-        if parsed < minimum:
-            raise ConfigError(f"{key} must be >= {minimum}, got {value!r}")
-        return parsed
-    return checked
-
-
-def _fraction(key: str, value: Any) -> float:
-    parsed = _float(key, value)
-    if not 0.0 <= parsed <= 1.0:
-        raise ConfigError(f"{key} must be between 0 and 1, got {value!r}")
-    return parsed
+    return at_least(1, integer)(key, value)
 
 
 def _store_url(key: str, value: Any) -> str:
-    parts = urlsplit(_str(key, value))
+    parts = urlsplit(string(key, value))
     db = parts.path.strip("/")
     if parts.scheme not in ("redis", "rediss") or not parts.hostname or not (db == "" or db.isdigit()):
-        raise ConfigError(f"{key} must be a URL like redis://127.0.0.1:6379/0, got {value!r}")
+        validate.fail(key, "a URL like redis://127.0.0.1:6379/0", value)
     return str(value)
 
 
@@ -180,127 +119,134 @@ class LogFormat(str, Enum):
 @dataclass(frozen=True)
 class Option:
     key: str  # TOML key; the flag is --key-with-dashes
-    section: str  # which dataclass it fills: "", "routing", "health" or "outlier"
+    # Which dataclass it fills: "" (GatewayConfig), "routing", "health", "outlier", or "policy": a knob of every
+    # policy whose config has a field of that name (gateway/policies/registry.py); --help names them.
+    section: str
     field: str
     parse: Callable[[str, Any], Any]
     help: str
     metavar: str | None = None
     repeatable: bool = False  # a list in TOML; the flag may be given several times
 
+    @property
+    def shown_help(self) -> str:
+        if self.section != "policy":
+            return self.help
+        return ", ".join(registry.policies_with(self.field)) + ": " + self.help
+
 
 OPTIONS: tuple[Option, ...] = (
-    Option("host", "", "host", _str, "address to listen on"),
-    Option("port", "", "port", _at_least(1, _int), "port to listen on"),
-    Option("policy", "routing", "policy", _choice(PolicyName),
-           "routing policy: prefix_aware (cache affinity weighed against queued work), cache_aware "
-           "(sglang-router's algorithm), round_robin, random, least_load or power_of_two", "NAME"),
-    Option("cache_threshold", "routing", "cache_threshold", _fraction,
+    Option("host", "", "host", string, "address to listen on"),
+    Option("port", "", "port", at_least(1, integer), "port to listen on"),
+    Option("policy", "routing", "policy", validate.one_of(registry.POLICIES),
+           "routing policy: " + registry.describe(), "NAME"),
+    Option("cache_threshold", "policy", "cache_threshold", fraction,
            "share of the prompt (0-1) that must be cached on a backend for affinity to count"),
-    Option("balance_abs_threshold", "routing", "balance_abs_threshold", _at_least(0, _int),
+    Option("balance_abs_threshold", "policy", "balance_abs_threshold", at_least(0, integer),
            "in-flight requests by which a backend must exceed the least loaded one to count as overloaded"),
-    Option("balance_rel_threshold", "routing", "balance_rel_threshold", _at_least(1.0, _float),
+    Option("balance_rel_threshold", "policy", "balance_rel_threshold", at_least(1.0, number),
            "...and the factor by which it must exceed it (both must hold)"),
-    Option("decode_weight_tokens", "routing", "decode_weight_tokens", _at_least(0.0, _float),
-           "prefix_aware: prompt tokens of prefill one running request is worth in a backend's cost"),
-    Option("affinity_weight", "routing", "affinity_weight", _at_least(1.0, _float),
-           "prefix_aware: how many queued prefill tokens one uncached prompt token is worth (higher = stickier)"),
-    Option("active_weight", "routing", "active_weight", _at_least(0.0, _float),
-           "prefix_aware: queued prefill tokens one distinct prompt token of the running requests is worth "
+    Option("decode_weight_tokens", "policy", "decode_weight_tokens", at_least(0.0, number),
+           "prompt tokens of prefill one running request is worth in a backend's cost"),
+    Option("affinity_weight", "policy", "affinity_weight", at_least(1.0, number),
+           "how many queued prefill tokens one uncached prompt token is worth (higher = stickier)"),
+    Option("active_weight", "policy", "active_weight", at_least(0.0, number),
+           "queued prefill tokens one distinct prompt token of the running requests is worth "
            "(their KV memory; balances where long-lived conversations settle)"),
-    Option("held_weight", "routing", "held_weight", _at_least(0.0, _float),
-           "prefix_aware: queued prefill tokens one token of a backend's prefix index is worth to a request that "
+    Option("held_weight", "policy", "held_weight", at_least(0.0, number),
+           "queued prefill tokens one token of a backend's prefix index is worth to a request that "
            "starts a new branch there (a new conversation settles where the least is held)"),
-    Option("block_chars", "routing", "block_chars", _at_least(8, _int),
+    Option("block_chars", "routing", "block_chars", at_least(8, integer),
            "characters per hashed block of the prefix index (~16 tokens at 64)"),
-    Option("chars_per_token", "routing", "chars_per_token", _at_least(0.5, _float),
+    Option("chars_per_token", "routing", "chars_per_token", at_least(0.5, number),
            "characters per token, to convert between prompt text and KV capacity in tokens"),
-    Option("metrics_max_age_secs", "routing", "metrics_max_age_s", _at_least(0.0, _float),
+    Option("metrics_max_age_secs", "policy", "metrics_max_age_s", at_least(0.0, number),
            "seconds after which a backend's scraped load metrics are ignored as stale"),
-    Option("max_tree_size", "", "max_tree_size", _at_least(64, _int),
+    Option("max_tree_size", "", "max_tree_size", at_least(64, integer),
            "upper bound of each backend's prefix index, in characters; the index is also bounded by "
            "--index-kv-share of the backend's reported KV capacity"),
-    Option("index_kv_share", "routing", "index_kv_share", _fraction,
-           "prefix_aware: share of a backend's reported KV capacity that its prefix index may hold: the engine "
+    Option("index_kv_share", "policy", "index_kv_share", fraction,
+           "share of a backend's reported KV capacity that its prefix index may hold: the engine "
            "keeps the rest for running requests, and predicting a hit it already evicted costs more than missing "
            "one (other policies model the whole pool, so cache_aware stays sglang-router's baseline)", "SHARE"),
-    Option("eviction_interval_secs", "", "eviction_interval_s", _at_least(0.0, _float),
+    Option("eviction_interval_secs", "", "eviction_interval_s", at_least(0.0, number),
            "accepted for sglang-router compatibility; the index evicts on insert, so it never exceeds its bound"),
-    Option("metrics_scrape_interval_secs", "", "metrics_interval_s", _at_least(0.0, _float),
+    Option("metrics_scrape_interval_secs", "", "metrics_interval_s", at_least(0.0, number),
            "seconds between scrapes of each backend's /metrics for queue and KV usage (0 disables)"),
-    Option("health_check_interval_secs", "health", "interval_s", _at_least(0.1, _float),
+    Option("health_check_interval_secs", "health", "interval_s", at_least(0.1, number),
            "seconds between active health checks (GET /health) of each backend"),
-    Option("health_check_timeout_secs", "health", "timeout_s", _at_least(0.1, _float),
+    Option("health_check_timeout_secs", "health", "timeout_s", at_least(0.1, number),
            "seconds a health check may take before it counts as failed"),
-    Option("health_failure_threshold", "health", "failure_threshold", _at_least(1, _int),
+    Option("health_failure_threshold", "health", "failure_threshold", at_least(1, integer),
            "consecutive failed checks that take a backend out"),
-    Option("health_success_threshold", "health", "success_threshold", _at_least(1, _int),
+    Option("health_success_threshold", "health", "success_threshold", at_least(1, integer),
            "consecutive good checks that bring a backend back"),
-    Option("outlier_consecutive_failures", "outlier", "consecutive_failures", _at_least(0, _int),
+    Option("outlier_consecutive_failures", "outlier", "consecutive_failures", at_least(0, integer),
            "failed requests in a row (500/502/503/504 answers, broken exchanges) that eject a backend from "
            "rotation; a refused connection or a timeout ejects at once, 4xx answers never count; 0 turns "
            "ejection off"),
-    Option("outlier_base_ejection_secs", "outlier", "base_ejection_s", _at_least(0.1, _float),
+    Option("outlier_base_ejection_secs", "outlier", "base_ejection_s", at_least(0.1, number),
            "seconds a backend's first ejection lasts; each further one while it keeps failing lasts twice as long, "
            "then it takes one request at a time until one succeeds"),
-    Option("outlier_max_ejection_secs", "outlier", "max_ejection_s", _at_least(0.1, _float),
+    Option("outlier_max_ejection_secs", "outlier", "max_ejection_s", at_least(0.1, number),
            "longest ejection, in seconds"),
-    Option("request_timeout_secs", "", "request_timeout_s", _at_least(0.1, _float),
+    Option("request_timeout_secs", "", "request_timeout_s", at_least(0.1, number),
            "seconds a backend may stay silent between chunks, and may take to send a non-streamed answer (engines "
            "send its headers only when it is complete), before 504"),
-    Option("first_byte_timeout_secs", "", "first_byte_timeout_s", _at_least(0.1, _float),
+    Option("first_byte_timeout_secs", "", "first_byte_timeout_s", at_least(0.1, number),
            "seconds a backend may take to start a streamed answer (its queue and prefill) before 504; counts as "
            "the backend's failure"),
-    Option("connect_timeout_secs", "", "connect_timeout_s", _at_least(0.1, _float),
+    Option("connect_timeout_secs", "", "connect_timeout_s", at_least(0.1, number),
            "seconds to open a connection to a backend before trying another"),
-    Option("max_retries", "", "max_retries", _at_least(0, _int),
+    Option("max_retries", "", "max_retries", at_least(0, integer),
            "times a request is sent again when its connection failed before any answer byte (to another "
            "backend when there is one)"),
-    Option("max_body_bytes", "", "max_body_bytes", _at_least(1024, _int),
+    Option("max_body_bytes", "", "max_body_bytes", at_least(1024, integer),
            "largest request body accepted, in bytes (413 above)"),
-    Option("max_concurrent_requests", "", "max_concurrent_requests", _at_least(1, _int),
+    Option("max_concurrent_requests", "", "max_concurrent_requests", at_least(1, integer),
            "requests relayed at once; more wait (see --max-queue-wait-secs), then get 429"),
-    Option("max_queue_wait_secs", "", "max_queue_wait_s", _at_least(0.0, _float),
+    Option("max_queue_wait_secs", "", "max_queue_wait_s", at_least(0.0, number),
            "seconds a request may wait for a slot before 429 with Retry-After"),
-    Option("client_body_timeout_secs", "", "client_body_timeout_s", _at_least(0.1, _float),
+    Option("client_body_timeout_secs", "", "client_body_timeout_s", at_least(0.1, number),
            "seconds a client may take to send a request body before 400"),
-    Option("keepalive_timeout_secs", "", "keepalive_timeout_s", _at_least(0.1, _float),
+    Option("keepalive_timeout_secs", "", "keepalive_timeout_s", at_least(0.1, number),
            "seconds a client connection may stay idle, or take to send its first request's headers "
            "(slow clients are closed)"),
-    Option("write_timeout_secs", "", "write_timeout_s", _at_least(0.1, _float),
+    Option("write_timeout_secs", "", "write_timeout_s", at_least(0.1, number),
            "seconds a client that stopped reading an answer is given before it is dropped and the backend's "
            "request cancelled"),
-    Option("shutdown_grace_secs", "", "shutdown_grace_s", _at_least(0.0, _float),
+    Option("shutdown_grace_secs", "", "shutdown_grace_s", at_least(0.0, number),
            "on SIGTERM, seconds open answers get to finish before they end with an error event"),
-    Option("api_key", "", "api_keys", _strings,
+    Option("api_key", "", "api_keys", strings,
            "client API key (Authorization: Bearer KEY) required on every route but /health and /ready; repeat "
            "for several; also read from --api-key-file and PREFIX_GATEWAY_API_KEYS (comma-separated)", "KEY",
            repeatable=True),
-    Option("admin_api_key", "", "admin_api_keys", _strings,
+    Option("admin_api_key", "", "admin_api_keys", strings,
            "key that alone opens /metrics, /backends and /dashboard (default: any client key does)", "KEY",
            repeatable=True),
-    Option("forward_client_credentials", "", "forward_client_credentials", _bool,
+    Option("forward_client_credentials", "", "forward_client_credentials", boolean,
            "pass the client's Authorization and Cookie headers to backends (true/false)", "BOOL"),
     Option("trusted_proxy", "", "trusted_proxies", _networks,
            "address or network of a proxy in front of the gateway whose X-Forwarded-For is extended, not "
            "replaced; repeatable", "NET", repeatable=True),
-    Option("expose_backend_urls", "", "expose_backend_urls", _bool,
+    Option("expose_backend_urls", "", "expose_backend_urls", boolean,
            "x-gateway-backend carries the backend's URL instead of its name (true/false)", "BOOL"),
     Option("workers", "", "workers", _workers,
            "processes serving the port (auto = one per core)", "N"),
-    Option("default_model", "", "default_model", _str,
+    Option("default_model", "", "default_model", string,
            "model for requests that name none, when several are served"),
     Option("state", "", "state", _store_url,
            "Redis (or Valkey) that several gateway instances share routing state through: placements, index "
            "corrections, load and health verdicts; each still routes on its local view if it is slow or gone",
            "redis://HOST:PORT/DB"),
-    Option("responses_max_ids", "", "responses_max_ids", _at_least(1, _int),
+    Option("responses_max_ids", "", "responses_max_ids", at_least(1, integer),
            "stored responses (Responses API) whose backend the gateway remembers, to send follow-ups naming "
            "them there; the oldest are forgotten first"),
-    Option("responses_ttl_secs", "", "responses_ttl_s", _at_least(1.0, _float),
+    Option("responses_ttl_secs", "", "responses_ttl_s", at_least(1.0, number),
            "seconds the gateway remembers which backend stored a response"),
-    Option("log_level", "", "log_level", lambda key, value: _choice(LogLevel)(key, value).value,
+    Option("log_level", "", "log_level", lambda key, value: validate.choice(LogLevel)(key, value).value,
            "log level: debug, info, warning or error"),
-    Option("log_format", "", "log_format", lambda key, value: _choice(LogFormat)(key, value).value,
+    Option("log_format", "", "log_format", lambda key, value: validate.choice(LogFormat)(key, value).value,
            "log lines as text, or json: one object per line with time, level, logger, message and the fields "
            "of the record (the access log's request_id, backend, route, match, status, duration_ms, ...)"),
 )
@@ -310,7 +256,8 @@ def defaults() -> dict[str, Any]:
     """Each option's built-in default, by TOML key (for --help)."""
     config = GatewayConfig()
     sections = {"": config, "routing": config.routing, "health": config.health, "outlier": config.outlier}
-    return {option.key: _shown(getattr(sections[option.section], option.field)) for option in OPTIONS}
+    return {option.key: _shown(registry.knob_default(option.field) if option.section == "policy"
+                               else getattr(sections[option.section], option.field)) for option in OPTIONS}
 
 
 def _shown(value: Any) -> Any:
@@ -330,20 +277,19 @@ def load_toml(path: str) -> dict[str, Any]:
 def build_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> GatewayConfig:
     """Merge the TOML file's values and the flags (which win) into a validated GatewayConfig."""
     merged = {**file_values, **flag_values}
-    known = {option.key for option in OPTIONS} | {"backends", "rewrite"}
-    unknown = sorted(set(merged) - known)
-    if unknown:
-        raise ConfigError(f"unknown config key {unknown[0]!r}")
-    sections: dict[str, dict[str, Any]] = {"": {}, "routing": {}, "health": {}, "outlier": {}}
+    validate.known_keys("", merged, [option.key for option in OPTIONS] + ["backends", "rewrite"])
+    sections: dict[str, dict[str, Any]] = {"": {}, "routing": {}, "health": {}, "outlier": {}, "policy": {}}
     for option in OPTIONS:
         if option.key in merged:
             sections[option.section][option.field] = option.parse(option.key, merged[option.key])
+    routing = sections["routing"]
+    policy = routing.setdefault("policy", registry.DEFAULT_POLICY)
     return GatewayConfig(
         backends=parse_backends(merged.get("backends", [])),
-        routing=RoutingConfig(**sections["routing"]),
+        routing=RoutingConfig(policy_config=registry.configure(policy, sections["policy"]), **routing),
         health=HealthConfig(**sections["health"]),
         outlier=_outlier(sections["outlier"]),
-        rewrite=RewriteConfig.from_toml(_table("rewrite", merged.get("rewrite", {}))),
+        rewrite=RewriteConfig.from_toml(validate.table("rewrite", merged.get("rewrite", {}))),
         **sections[""],
     )
 
@@ -356,28 +302,20 @@ def _outlier(values: dict[str, Any]) -> OutlierConfig:
     return config
 
 
-def _table(key: str, value: Any) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{key} must be a table, got {value!r}")
-    return value
-
-
 def parse_backends(value: Any) -> tuple[BackendSpec, ...]:
     if not isinstance(value, list):
-        raise ConfigError(f"backends must be a list, got {value!r}")
+        validate.fail("backends", "a list", value)
     specs = []
     for i, entry in enumerate(value):
         key = f"backends[{i}]"
-        table = {"url": entry} if isinstance(entry, str) else dict(_table(key, entry))
-        extra = sorted(set(table) - {"url", "model", "capacity_tokens", "name", "api_key"})
-        if extra:
-            raise ConfigError(f"unknown config key {key}.{extra[0]!r}")
+        table = {"url": entry} if isinstance(entry, str) else dict(validate.table(key, entry))
+        validate.known_keys(key, table, ("url", "model", "capacity_tokens", "name", "api_key"))
         url = check_url(f"{key}.url", table.get("url"))
-        model = _str(f"{key}.model", table["model"]) if "model" in table else None
-        capacity = _at_least(1, _int)(f"{key}.capacity_tokens", table["capacity_tokens"]) \
+        model = string(f"{key}.model", table["model"]) if "model" in table else None
+        capacity = at_least(1, integer)(f"{key}.capacity_tokens", table["capacity_tokens"]) \
             if "capacity_tokens" in table else None
-        name = _str(f"{key}.name", table["name"]) if "name" in table else f"backend-{i + 1}"
-        api_key = _str(f"{key}.api_key", table["api_key"]) if "api_key" in table else None
+        name = string(f"{key}.name", table["name"]) if "name" in table else f"backend-{i + 1}"
+        api_key = string(f"{key}.api_key", table["api_key"]) if "api_key" in table else None
         specs.append(BackendSpec(url, model, capacity, name, api_key))
     urls = [spec.url for spec in specs]
     names = [spec.name for spec in specs]
@@ -389,8 +327,8 @@ def parse_backends(value: Any) -> tuple[BackendSpec, ...]:
 
 
 def check_url(key: str, value: Any) -> str:
-    url = _str(key, value).rstrip("/")
+    url = string(key, value).rstrip("/")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{key} must be an http(s) URL like http://127.0.0.1:30001, got {value!r}")
+        validate.fail(key, "an http(s) URL like http://127.0.0.1:30001", value)
     return url

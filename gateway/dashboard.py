@@ -139,7 +139,7 @@ class Dashboard:
         self.sample(now_s)
         samples = list(self.samples)
         previous: list[Sample | None] = [None, *samples[:-1]]
-        points = [(before, sample) for before, sample in zip(previous, samples) if sample.at_s > since_s]
+        points = [(before, sample) for before, sample in zip(previous, samples, strict=True) if sample.at_s > since_s]
         window_start = next(sample for sample in samples if sample.at_s >= samples[-1].at_s - WINDOW_S)
         return {
             "now_s": now_s, "policy": self.policy, "history_s": HISTORY_S,

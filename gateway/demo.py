@@ -14,7 +14,7 @@ import sys
 import threading
 from types import FrameType
 
-from loadtest.fleet import FleetError, running_fleet
+from loadtest.fleet import FleetError, check_port_free, running_fleet
 
 LLM_MODEL = "sim-llama-8b"
 EMBEDDING_MODEL = "sim-embedding"
@@ -52,12 +52,14 @@ def run_demo(replicas: int, port: int, time_scale: float) -> int:
     signal.signal(signal.SIGINT, on_signal)
     replica_args = ["--time-scale", str(time_scale), "--log-level", "warning"]
     try:
+        check_port_free(port)  # before starting anything: a busy port must not look like our gateway
         with running_fleet() as fleet:
             print(f"starting {replicas} simulated LLM replicas and 1 embedding replica ...", flush=True)
             llms = fleet.start_replicas(replicas, args=[*replica_args, "--model", LLM_MODEL], name="llm-replicas")
             embedder = fleet.start_replicas(1, args=[*replica_args, "--embedding", "--model", EMBEDDING_MODEL],
                                             name="embedding-replica")
             gateway = fleet.start_gateway(llms.urls + embedder.urls, port=port)
+            gateway.keep_log = True  # the banner points at it, so it outlives the demo
             print_banner(gateway.url, llms.urls + embedder.urls, gateway.log_path)
             while not stop.wait(0.5):
                 dead = [process.name for process in fleet.processes if not process.alive()]
@@ -85,6 +87,6 @@ The same from Python (pip install openai):
 
 Live dashboard: {url}/dashboard
 Also: {url}/v1/models  {url}/backends  {url}/metrics
-The gateway's log (one access line per request): {log_path}
+The gateway's log (one access line per request; kept after the demo stops): {log_path}
 Ctrl-C stops the gateway and the replicas.
 """, flush=True)

@@ -25,7 +25,7 @@ _STANDARD_ATTRIBUTES = frozenset(logging.makeLogRecord({}).__dict__) | {"message
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC)
                                      .isoformat(timespec="milliseconds"),
             "level": record.levelname, "logger": record.name, "message": record.getMessage(),
         }

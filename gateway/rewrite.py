@@ -60,8 +60,19 @@ from typing import Any
 from gateway.errors import BadRequest
 from gateway.prompts import Endpoint
 from gateway.rewrite_config import RewriteConfig
-from gateway.rewrite_rules import (BUILTIN_RULE_NAMES, BUILTINS, MARKER, Action, Rule, RuleSet, RuleSpec,
-                                   SpanHit, embeddable, split_trailer, with_trailer)
+from gateway.rewrite_rules import (
+    BUILTIN_RULE_NAMES,
+    BUILTINS,
+    MARKER,
+    Action,
+    Rule,
+    RuleSet,
+    RuleSpec,
+    SpanHit,
+    embeddable,
+    split_trailer,
+    with_trailer,
+)
 
 __all__ = ["Action", "BUILTIN_RULE_NAMES", "MARKER", "OPT_OUT_HEADER", "RewriteConfig", "RewriteResult",
            "Rewriter", "RuleSpec", "SpanHit", "enabled_for"]
@@ -186,7 +197,7 @@ class Rewriter:
         slots = _chat_head(messages, host)
         texts, moved, hits = self._rewrite_texts([slot.text for slot in slots],
                                                  [slot.searchable for slot in slots], can_move=host is not None)
-        changes = {(slot.index, slot.part): text for slot, text in zip(slots, texts) if text != slot.text}
+        changes = {(slot.index, slot.part): text for slot, text in zip(slots, texts, strict=True) if text != slot.text}
         if not changes:
             return RewriteResult(None, tuple(hits))
         if host is not None:

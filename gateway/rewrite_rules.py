@@ -112,7 +112,7 @@ def _looks_random(match: re.Match[str]) -> bool:
     classes = match.group().rstrip("=").translate(_B64_CLASS)
     if not ("U" in classes and "l" in classes and "d" in classes):
         return False
-    switches = sum(1 for a, b in zip(classes, classes[1:]) if a != b and a in "Uld" and b in "Uld")
+    switches = sum(1 for a, b in zip(classes, classes[1:], strict=False) if a != b and a in "Uld" and b in "Uld")
     return switches >= 0.4 * (len(classes) - 1)
 
 

@@ -1,22 +1,22 @@
 """The *choose* step: filter the backends that may serve a request, let the policy pick, reserve the pick.
 
 Reserving happens in the same synchronous call as the decision — load counted, prompt recorded in the chosen
-backend's prefix index — so a burst of requests with one new prefix sees its own placements (REFERENCE.md:
-every peer learned this). A `Placement` releases what it reserved exactly once, whatever way the request ends.
+backend's prefix index — so a burst of requests with one new prefix sees its own placements instead of all
+landing where the prefix was not yet recorded. A `Placement` releases what it reserved exactly once, whatever
+way the request ends.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.backends import Backend, Pool
 from gateway.hashing import block_hashes
-from gateway.policies import Decision, Policy, PolicyName, Route, RoutingRequest
-from gateway.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin, least_loaded
-from gateway.policies.cache_aware import CacheAware
-from gateway.policies.prefix_aware import PrefixAware
+from gateway.policies import Decision, PolicyConfig, Route, RoutingRequest
+from gateway.policies.basic import least_loaded
+from gateway.policies.registry import DEFAULT_POLICY, default_config, make_policy
 
 # A backend reporting less than this share of the predicted cached tokens has evicted that prefix.
 EVICTION_EVIDENCE_RATIO = 0.5
@@ -24,42 +24,10 @@ EVICTION_EVIDENCE_RATIO = 0.5
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    policy: PolicyName = PolicyName.PREFIX_AWARE
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
+    policy: str = DEFAULT_POLICY
+    policy_config: PolicyConfig = field(default_factory=default_config)  # the knobs of `policy`
     block_chars: int = 64
     chars_per_token: float = 4.0
-    decode_weight_tokens: float = 4.0
-    affinity_weight: float = 4.0
-    active_weight: float = 0.15
-    held_weight: float = 0.15
-    metrics_max_age_s: float = 2.0
-    index_kv_share: float = 0.85
-
-    @property
-    def index_share(self) -> float:
-        """Share of a backend's KV capacity its prefix index models. prefix_aware leaves the engine room for
-        running requests (see --index-kv-share); the other policies model the whole pool, as they always did,
-        so that cache_aware stays the baseline it is measured as."""
-        return self.index_kv_share if self.policy is PolicyName.PREFIX_AWARE else 1.0
-
-
-def make_policy(config: RoutingConfig) -> Policy:
-    name = config.policy
-    if name is PolicyName.ROUND_ROBIN:
-        return RoundRobin()
-    if name is PolicyName.RANDOM:
-        return Random()
-    if name is PolicyName.LEAST_LOAD:
-        return LeastLoad()
-    if name is PolicyName.POWER_OF_TWO:
-        return PowerOfTwo()
-    if name is PolicyName.CACHE_AWARE:
-        return CacheAware(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold)
-    return PrefixAware(config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold,
-                       config.decode_weight_tokens, config.affinity_weight, config.metrics_max_age_s,
-                       config.active_weight, config.held_weight)
 
 
 class Placement:
@@ -132,7 +100,7 @@ class Router:
     def __init__(self, pool: Pool, config: RoutingConfig, default_model: str | None = None) -> None:
         self.pool = pool
         self.config = config
-        self.policy = make_policy(config)
+        self.policy = make_policy(config.policy, config.policy_config)
         self.default_model = default_model
 
     def routing_request(self, text: str) -> RoutingRequest:

@@ -61,7 +61,7 @@ def serve_worker(config: GatewayConfig, reuse_port: bool) -> None:
 
     def ready(_: str) -> None:
         logger.info("gateway listening on http://%s:%d: policy %s, %d backends", config.host, config.port,
-                    config.routing.policy.value, len(config.backends))
+                    config.routing.policy, len(config.backends))
 
     web.run_app(create_app(config), host=config.host, port=config.port, reuse_port=reuse_port or None,
                 access_log=None, print=ready, handler_cancellation=True,

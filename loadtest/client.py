@@ -210,7 +210,7 @@ async def _chat_stream(client: httpx2.AsyncClient, base_url: str, body: dict[str
                     pieces.append(content)
     e2e = time.perf_counter() - start
     ttft = chunk_times[0] - start if chunk_times else None
-    itl = tuple(later - earlier for earlier, later in zip(chunk_times, chunk_times[1:]))
+    itl = tuple(later - earlier for earlier, later in zip(chunk_times, chunk_times[1:], strict=False))
     prompt, cached, output = _usage(usage)
     return RequestResult(0, 0, RequestKind.CHAT, start - run_start, ttft, e2e, itl, prompt, cached,
                          output or len(chunk_times), replica, None), "".join(pieces)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import logging
 import math
@@ -194,10 +195,8 @@ class Engine:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
         for gen in [*self._waiting, *self._prefilling, *self._running]:
             gen._finish(self.clock_s)

@@ -15,8 +15,8 @@ import dataclasses
 import logging
 import random
 import time
-from dataclasses import dataclass
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import StreamingResponse

@@ -36,6 +36,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def check_port_free(port: int, host: str = LOOPBACK) -> None:
+    """Raise FleetError when `port` is taken. Readiness is judged by answers on the port, so a server already
+    there (another gateway, say) would otherwise pass for ours while ours exits with "address in use"."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is not "taken"
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise FleetError(f"port {port} on {host} is already in use ({exc.strerror}); "
+                             f"stop what listens there or choose another port") from None
+
+
 def env_without_proxies(base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment minus proxy variables, for peers that would send loopback traffic through a proxy."""
     env = dict(os.environ if base is None else base)
@@ -53,6 +65,7 @@ class Process:
     popen: subprocess.Popen[bytes]
     log_path: str
     killed: bool = False  # by kill(): a crash we caused, not one to keep the log of
+    keep_log: bool = False  # a log someone was told about (the demo's gateway): kept when the fleet stops
 
     @property
     def url(self) -> str:
@@ -88,10 +101,8 @@ class Process:
             return ""
 
     def _signal(self, signum: int) -> None:
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signum)
-        except ProcessLookupError:
-            pass
 
 
 def start_process(
@@ -105,12 +116,11 @@ def start_process(
 ) -> Process:
     """Start `argv` in its own process group and wait until `ready_path` answers 200 at every URL (None: until
     a Redis server answers PING at the URL's port)."""
-    log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
-    popen = subprocess.Popen(
-        list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=dict(env) if env is not None else None, start_new_session=True,
-    )
-    log.close()
+    with tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False) as log:
+        popen = subprocess.Popen(
+            list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=dict(env) if env is not None else None, start_new_session=True,
+        )
     process = Process(name, list(urls), popen, log.name)
     try:
         if ready_path is None:
@@ -197,7 +207,10 @@ class Fleet:
     def start_gateway(self, backends: Sequence[str], *, args: Sequence[str] = (),
                       env: Mapping[str, str] | None = None, name: str = "gateway",
                       ready_path: str = "/ready", port: int | None = None) -> Process:
-        """The gateway in front of `backends`; `ready_path="/health"` for one that is not meant to be ready."""
+        """The gateway in front of `backends`; `ready_path="/health"` for one that is not meant to be ready.
+        A `port` asked for must be free (FleetError otherwise); without one a free port is picked."""
+        if port:
+            check_port_free(port)
         port = port or free_port()
         # Tests and benchmarks compare x-gateway-backend with the replicas' URLs.
         argv = [sys.executable, "-m", "gateway", "serve", "--host", LOOPBACK, "--port", str(port),
@@ -241,7 +254,7 @@ class Fleet:
         for process in reversed(self.processes):
             died = not process.alive() and not process.killed
             process.stop()
-            if died or keep_logs:
+            if died or keep_logs or process.keep_log:
                 print(f"{process.name} log kept: {process.log_path}", file=sys.stderr)
             else:
                 process.remove_log()

@@ -47,8 +47,18 @@ from starlette.routing import Route
 from loadtest.engine import Engine, EngineConfig, Generation, RequestTooLarge, embedding_vector
 from loadtest.faults import DroppingEventStream, Faults, FaultSettings
 from loadtest.replica_apis import AgentApis
-from loadtest.replica_requests import (ApiError, Prompt, ReplicaIdHeader, body_field, check_n, json_body, max_tokens,
-                                        read_prompts, sse, usage_of)
+from loadtest.replica_requests import (
+    ApiError,
+    Prompt,
+    ReplicaIdHeader,
+    body_field,
+    check_n,
+    json_body,
+    max_tokens,
+    read_prompts,
+    sse,
+    usage_of,
+)
 from loadtest.tokenizer import render_chat, tokenize
 
 logger = logging.getLogger(__name__)

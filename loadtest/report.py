@@ -43,9 +43,9 @@ def table_rows(outcomes: Sequence[RunOutcome]) -> list[list[str]]:
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(str(cell).ljust(width) for cell, width in zip(cells, widths)).rstrip()
+        return "  ".join(str(cell).ljust(width) for cell, width in zip(cells, widths, strict=True)).rstrip()
     return "\n".join([line(header), line(["-" * width for width in widths]), *map(line, rows)])
 
 

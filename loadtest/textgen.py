@@ -11,7 +11,7 @@ import random
 
 CHARS_PER_TOKEN = 4
 
-WORDS = (
+WORDS = (  # noqa: SIM905 (a word list reads better as text than as 160 quoted words)
     "the of and to in is that for it as with was on be by at this from are or have an they which one you "
     "were all we her she there would their will when who him been has more if no out so said what up its "
     "about than into them can only other new some could time these two may then do first any like now my "

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from enum import Enum
 
 from loadtest.scenarios import Kind, Popularity, Workload
 from loadtest.textgen import draw_length, words_text
 
 # random-id timestamps start here and advance per request, so they are deterministic for a seed.
-EPOCH = datetime(2026, 1, 1, tzinfo=timezone.utc)
+EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 class RequestKind(str, Enum):

@@ -29,7 +29,7 @@ def test_config_without_backends_is_valid_for_serve_with_backend_flags(
 @pytest.mark.parametrize("text, named", [
     ('cache_threshold = 1.5\n', "cache_threshold"),
     ('polcy = "prefix_aware"\n', "'polcy'"),
-    ('[[backends]]\nurl = "http://127.0.0.1:1"\nweight = 2\n', "backends[0].'weight'"),
+    ('[[backends]]\nurl = "http://127.0.0.1:1"\nweight = 2\n', "'backends[0].weight'"),
     ('[rewrite]\nenabled = "yes"\n', "rewrite.enabled"),
     ('port = \n', "not valid TOML"),
 ])

@@ -63,7 +63,7 @@ def test_client_errors_never_eject_and_a_rejected_giant_prompt_keeps_the_convers
         assert too_long.status_code == 400, too_long.text
     for url in replicas.urls:
         assert not described(gateway.url, url)["ejected"]
-    for history, owner in zip(conversations, owners):
+    for history, owner in zip(conversations, owners, strict=True):
         follow_up = ask(gateway.url, history + " and one more question")
         assert follow_up.status_code == 200
         assert follow_up.headers["x-gateway-backend"] == owner

@@ -95,11 +95,11 @@ def test_stream_cut_mid_way_ends_with_an_error_event_the_sdk_raises(fleet: Fleet
 def test_client_that_goes_away_releases_its_backend(fleet: Fleet) -> None:
     replica = fleet.start_replica(args=["--time-scale", "1.0", "--log-level", "warning"])  # slow: 200 tokens ~ 2 s
     gateway = fleet.start_gateway(replica.urls, args=FAST_GATEWAY)
-    with httpx2.Client(trust_env=False, timeout=30) as client:
-        with client.stream("POST", gateway.url + "/v1/chat/completions",
-                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
-                                 "stream": True}) as response:
-            next(response.iter_raw())
+    with httpx2.Client(trust_env=False, timeout=30) as client, \
+            client.stream("POST", gateway.url + "/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                                "stream": True}) as response:
+        next(response.iter_raw())
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         if httpx2.get(gateway.url + "/backends", trust_env=False).json()["backends"][0]["in_flight"] == 0:

@@ -76,7 +76,9 @@ def test_gateway_discovers_vllm_its_model_and_kv_capacity(fleet: Fleet, engines:
     described = {b["url"]: b for b in get_json(gateway.url + "/backends")["backends"]}
     for server in engines:
         [(labels, _)] = samples(server.metrics_text(), "vllm:cache_config_info")
-        expected = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+        # vLLM's own per-engine capacity where it publishes one (right for hybrid models too), else blocks x size
+        tokens = labels.get("kv_cache_size_tokens", "")
+        expected = int(tokens) if tokens.isdigit() else int(labels["num_gpu_blocks"]) * int(labels["block_size"])
         backend = described[server.url]
         assert (backend["engine"], backend["model"], backend["capacity_tokens"]) == ("vllm", MODEL_ID, expected)
         assert backend["healthy"]

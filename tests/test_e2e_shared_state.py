@@ -48,7 +48,7 @@ def place_and_share(placing: str, others: list[str], system: str) -> str:
     response = chat(placing, system, "first question")
     assert response.status_code == 200
     deadline = time.monotonic() + SHARING_PATIENCE_S
-    while any(applied(other) <= count for other, count in zip(others, before)):
+    while any(applied(other) <= count for other, count in zip(others, before, strict=True)):
         assert time.monotonic() < deadline, "the placement did not reach every other instance"
         time.sleep(0.02)
     return response.headers["x-gateway-backend"]

@@ -8,8 +8,9 @@ from loadtest.compare import compare
 
 
 def summary(label: str, p99: float, goodput: float, hit_rate: float, oracle: float | None) -> dict:
-    return {"label": label, "goodput_per_s": goodput, "slo_attainment": 1.0, "ttft_s": {"p50": 0.01, "p90": 0.02, "p99": p99, "mean": 0.01},
-            "hit_rate": hit_rate, "oracle_hit_rate": oracle, "replica_max_over_mean": 1.0}
+    return {"label": label, "goodput_per_s": goodput, "slo_attainment": 1.0,
+            "ttft_s": {"p50": 0.01, "p90": 0.02, "p99": p99, "mean": 0.01}, "hit_rate": hit_rate,
+            "oracle_hit_rate": oracle, "replica_max_over_mean": 1.0}
 
 
 def write_run(directory: Path, scenario: str, rate: float, summaries: list[dict]) -> Path:

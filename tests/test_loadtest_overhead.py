@@ -17,8 +17,7 @@ from aiohttp.test_utils import TestServer
 from loadtest import __main__ as loadtest_main
 from loadtest import procstat
 from loadtest.fleet import running_fleet
-from loadtest.fronts import (DIRECT, GATEWAY_PREFIX_AWARE, SGLANG_ROUTER, SMG, StreamReads, read_streams,
-                             front_names)
+from loadtest.fronts import DIRECT, GATEWAY_PREFIX_AWARE, SGLANG_ROUTER, SMG, StreamReads, front_names, read_streams
 from loadtest.nginx import COMPLETION, MODEL, nginx_config, nginx_installed, start_nginx
 from loadtest.overhead import C1, C16, C64, STREAM, CpuClock, FrontResult, Point, median_point
 from loadtest.overhead_report import overhead_rows, target_lines

@@ -44,7 +44,8 @@ def test_two_policies_answer_every_request_and_report_hits() -> None:
 
 
 @pytest.mark.skipif(not redis_installed(), reason="redis-server is not installed (apt-get install redis-server)")
-def test_several_instances_sharing_state_answer_every_request_and_report_its_cost(capsys: pytest.CaptureFixture[str]) -> None:
+def test_several_instances_sharing_state_answer_every_request_and_report_its_cost(
+        capsys: pytest.CaptureFixture[str]) -> None:
     (outcome,) = run_policies(tiny_scenario(), ["prefix_aware"], Traffic(request_rate=None, max_concurrency=4),
                               instances=Instances(2, shared=True))
     assert outcome.summary.label == "prefix_aware x2 shared"

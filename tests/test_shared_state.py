@@ -11,12 +11,23 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 
 from gateway.backends import Backend, BackendSpec, Pool, RemoteLoad
-from gateway.policies import PolicyName
+from gateway.policies import PolicyConfig
 from gateway.policies.basic import LeastLoad
 from gateway.prefix_index import PrefixIndex
 from gateway.router import Router, RoutingConfig
-from gateway.shared_state import (CORRECTED, DOWN, DOWN_VERDICT_MAX_AGE_S, PLACED, SharedState, apply_update,
-                                  backend_id, decode_load, decode_updates, encode_load, encode_update)
+from gateway.shared_state import (
+    CORRECTED,
+    DOWN,
+    DOWN_VERDICT_MAX_AGE_S,
+    PLACED,
+    SharedState,
+    apply_update,
+    backend_id,
+    decode_load,
+    decode_updates,
+    encode_load,
+    encode_update,
+)
 from loadtest.fleet import free_port
 from tests.policy_fixtures import make_backends, request, text
 
@@ -104,7 +115,7 @@ def test_the_router_publishes_placements_corrections_and_down_verdicts() -> None
     recorder = Recorder()
     for backend in pool.backends:
         backend.publisher = recorder
-    router = Router(pool, RoutingConfig(policy=PolicyName.PREFIX_AWARE))
+    router = Router(pool, RoutingConfig(policy="prefix_aware"))
     prompt = router.routing_request(text("a long system prompt", 4000))
     placement = router.place("m", prompt)
     url, blocks = placement.backend.url, len(prompt.hashes)
@@ -130,7 +141,7 @@ def test_a_verdict_from_another_instance_is_not_published_again() -> None:
 def test_policies_count_the_load_other_instances_put_on_a_backend() -> None:
     backends = make_backends(2)
     backends[0].in_flight, backends[1].remote = 1, RemoteLoad(in_flight=3)
-    assert LeastLoad().choose(backends, request("x")).backend is backends[0]
+    assert LeastLoad(PolicyConfig()).choose(backends, request("x")).backend is backends[0]
 
 
 def test_an_index_rebuilt_from_its_paths_matches_like_the_original() -> None:

