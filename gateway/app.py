@@ -456,6 +456,10 @@ def error_response(gateway: Gateway, request: web.Request, error: GatewayError) 
                              headers=error.headers())
 
 
+# aiohttp warns about plain string keys (a warning is an error under the tests' filterwarnings).
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
 def create_app(config: GatewayConfig) -> web.Application:
     gateway = Gateway(config)
     app = web.Application(middlewares=[error_middleware(gateway)], client_max_size=config.max_body_bytes)
@@ -472,5 +476,5 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.on_startup.append(gateway.on_startup)
     app.on_shutdown.append(gateway.on_shutdown)
     app.on_cleanup.append(gateway.on_cleanup)
-    app["gateway"] = gateway
+    app[GATEWAY] = gateway
     return app
