@@ -78,6 +78,11 @@ STORED_RESPONSE_ROUTES = (("GET", "/v1/responses/{response_id}"), ("DELETE", "/v
                           ("POST", "/v1/responses/{response_id}/cancel"),
                           ("GET", "/v1/responses/{response_id}/input_items"))
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# What a request carries for the record of one refused before it was placed (`record_rejection`).
+STARTED_S = web.RequestKey("started_s", float)
+REQUEST_ID = web.RequestKey("request_id", str)
+MODEL = web.RequestKey("model", str)
+PLACED = web.RequestKey("placed", bool)
 
 
 @dataclass(slots=True)  # one per request, made and updated on the hot path: not frozen, which costs per field
@@ -141,14 +146,14 @@ class Gateway:
 
     async def parse(self, request: web.Request, endpoint: Endpoint) -> Exchange:
         request_id_ = client_request_id(request.headers, os.urandom(16).hex())
-        request["request_id"] = request_id_  # for the access line of a rejected request
+        request[REQUEST_ID] = request_id_  # for the access line of a rejected request
         raw = await self.read_body(request)
         if endpoint.json_body:
             body = read_json(raw, endpoint)
         else:  # an upload: never decoded, only its small fields are looked up
             body = multipart_fields(raw, request.headers.get("content-type", ""))
         model = self.router.resolve_model(body.get("model"))
-        request["model"] = model
+        request[MODEL] = model
         owner = await self.owner_of(body.get("previous_response_id"), "previous_response_id", model) \
             if endpoint is Endpoint.RESPONSES else None
         return Exchange(endpoint, request.method, request.path, body, raw, model, body.get("stream") is True,
@@ -156,12 +161,12 @@ class Gateway:
 
     async def parse_stored(self, request: web.Request) -> Exchange:
         request_id_ = client_request_id(request.headers, os.urandom(16).hex())
-        request["request_id"] = request_id_
+        request[REQUEST_ID] = request_id_
         raw = await self.read_body(request)
         stored_id = request.match_info["response_id"]
         owner = await self.owner_of(stored_id, None, None)
         model = owner.model if owner is not None and owner.model else self.router.resolve_model(None)
-        request["model"] = model
+        request[MODEL] = model
         return Exchange(Endpoint.RESPONSES, request.method, request.path, {}, raw, model,
                         request.query.get("stream") == "true", request_id_, time.monotonic(), owner=owner,
                         stored_id=stored_id)
@@ -217,7 +222,7 @@ class Gateway:
         tried: list[Placement] = []
         while True:
             placement = self.choose(exchange, routing, [p.backend for p in tried])
-            request["placed"] = True  # from here on, `finish` records however the request ends
+            request[PLACED] = True  # from here on, `finish` records however the request ends
             backend = placement.backend
             headers = forwarded_headers(request.headers, exchange.request_id, request.remote, self.header_policy,
                                         backend.spec.api_key)
@@ -335,12 +340,12 @@ class Gateway:
     def record_rejection(self, request: web.Request, error: GatewayError) -> None:
         """A request refused before it was placed still gets its access line and its metric sample."""
         endpoint = endpoint_of(request)
-        model = request.get("model", "")
+        model = request.get(MODEL, "")
         self.metrics.request_done(endpoint.value if endpoint else "other", model, "", "", str(error.status_code),
                                   None, None, None)
         self.log_access(request.method, request.path, model, "", "", 0.0, str(error.status_code),
-                        error.code or error.error_type, time.monotonic() - request["started_s"],
-                        request.get("request_id", ""))
+                        error.code or error.error_type, time.monotonic() - request[STARTED_S],
+                        request.get(REQUEST_ID, ""))
 
     # -- read-only endpoints ----------------------------------------------------------------------------
 
@@ -422,7 +427,7 @@ def error_middleware(gateway: Gateway) -> Middleware:
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        request["started_s"] = time.monotonic()
+        request[STARTED_S] = time.monotonic()
         try:
             if gateway.keys.enabled:
                 gateway.keys.check(request.path, request.headers)
@@ -450,13 +455,13 @@ def error_middleware(gateway: Gateway) -> Middleware:
 def error_response(gateway: Gateway, request: web.Request, error: GatewayError) -> web.Response:
     if error.status_code >= 500:
         logger.warning("%s %s -> %d: %s", request.method, request.path, error.status_code, error.message)
-    if endpoint_of(request) is not None and not request.get("placed"):
+    if endpoint_of(request) is not None and not request.get(PLACED):
         gateway.record_rejection(request, error)
     return web.json_response(error.body(ErrorShape.for_path(request.path)), status=error.status_code,
                              headers=error.headers())
 
 
-# aiohttp warns about plain string keys (a warning is an error under the tests' filterwarnings).
+# aiohttp 3.14 warns about plain string keys, once per call site (and the tests turn warnings into errors).
 GATEWAY = web.AppKey("gateway", Gateway)
 
 
