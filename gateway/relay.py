@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -31,7 +31,10 @@ logger = logging.getLogger(__name__)
 FirstByte = Callable[[], None]  # called once at a success's first byte (an error answer prefilled nothing)
 
 WHOLE_BODY_BYTES = 1024 * 1024  # non-streamed answers of a declared length up to this are sent in one write
-_WRITE_BUFFER_BYTES = 256 * 1024  # past this much unsent to the client, a write waits at most write_timeout_s
+# A chunk this small, written when nothing is queued for the client, cannot fill the transport's buffer past its
+# high-water mark (64 KiB), so the write cannot block; any other write may block for as long as the client does
+# not read, and is bounded by write_timeout_s.
+_DIRECT_WRITE_BYTES = 16 * 1024
 
 
 class Ending(str, Enum):
@@ -132,18 +135,20 @@ class Relay:
             if self.outcome.ttfb_s is None:
                 self._first_byte(on_first_byte)
             self.tap.feed(chunk)
-            if transport is not None and transport.get_write_buffer_size() > _WRITE_BUFFER_BYTES:
-                await self._slow_write(response, chunk)
+            if transport is not None and (transport.get_write_buffer_size() or len(chunk) > _DIRECT_WRITE_BYTES):
+                await self._bounded(response.write(chunk))
             else:
                 await response.write(chunk)
-        await response.write_eof()
+        await (self._bounded(response.write_eof()) if transport is not None and transport.get_write_buffer_size()
+               else response.write_eof())
         return response
 
-    async def _slow_write(self, response: web.StreamResponse, chunk: bytes) -> None:
-        """The client is not reading: give it `write_timeout_s`, then drop it (and so the upstream request)."""
+    async def _bounded(self, write: Awaitable[None]) -> None:
+        """A write that may wait for the client to read: give it `write_timeout_s`, then drop the client (and so
+        the upstream request)."""
         try:
             async with asyncio.timeout(self.write_timeout_s):
-                await response.write(chunk)
+                await write
         except TimeoutError:
             self.outcome.ending = Ending.SLOW_CLIENT
             logger.warning("client of request %s stopped reading; dropped after %.0f s",
