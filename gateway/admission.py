@@ -37,19 +37,21 @@ class Admission:
             async with asyncio.timeout(self.max_wait_s):
                 await waiter
         except TimeoutError:
-            self._refuse(waiter)
+            self._give_up(waiter)
+            self._refuse()
         except asyncio.CancelledError:  # the client left while waiting
-            if waiter.done() and not waiter.cancelled():
-                self.leave()  # a slot had just been handed to us: pass it on
-            else:
-                self._waiters.remove(waiter)
+            self._give_up(waiter)
             raise
 
-    def _refuse(self, waiter: asyncio.Future[None]) -> None:
-        if waiter.done():  # the slot arrived as the wait ran out: give it back
+    def _give_up(self, waiter: asyncio.Future[None]) -> None:
+        """Stop waiting: pass on a slot handed over just now, or leave the queue. The timeout's cancellation
+        cancels the waiter too, and a cancelled waiter was handed nothing."""
+        if waiter.done() and not waiter.cancelled():
             self.leave()
-        else:
+        elif waiter in self._waiters:  # `leave` may have dropped it already, as done
             self._waiters.remove(waiter)
+
+    def _refuse(self) -> None:
         self.shed += 1
         raise Overloaded(f"The gateway is at its limit of {self.max_concurrent} concurrent requests; retry later.",
                          max(1, math.ceil(self.max_wait_s)))
