@@ -1,0 +1,320 @@
+"""Every way a request can end, in-process against fake backends (tests/inprocess.py): what the client sees,
+what the backend saw, and that nothing stays held afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from multidict import CIMultiDictProxy
+
+from gateway.backends import Backend
+from tests.inprocess import (FakeBackend, Harness, answer_status, answer_stream, chunk, close_before_answer,
+                             running_gateway, silent, stream_forever, stream_then_cut)
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+async def test_non_streamed_answer_is_relayed_with_gateway_headers() -> None:
+    async with running_gateway(FakeBackend()) as harness:
+        status, body, headers = await harness.chat()
+        assert status == 200 and body["choices"][0]["message"]["content"] == "ok"
+        assert headers["x-gateway-backend"] == "backend-1"  # the name; the URL stays internal
+        assert harness.metric("gateway_prompt_tokens_total") == 3
+        harness.assert_nothing_held()
+
+
+async def test_backend_url_is_exposed_only_when_asked_for() -> None:
+    backend = FakeBackend()
+    async with running_gateway(backend, expose_backend_urls=True) as harness:
+        _, _, headers = await harness.chat()
+        assert headers["x-gateway-backend"] == backend.url
+
+
+async def test_streamed_answer_arrives_chunk_by_chunk() -> None:
+    async with running_gateway(FakeBackend(default=answer_stream)) as harness:
+        status, body, headers = await harness.chat(stream=True)
+        assert status == 200 and headers["content-type"] == "text/event-stream"
+        events = sse_events(body["raw"])
+        assert events[-1] == "[DONE]" and len(events) == 4
+        harness.assert_nothing_held()
+
+
+async def test_refused_connection_is_retried_on_another_backend() -> None:
+    live = FakeBackend()
+    async with running_gateway(live, dead=1) as harness:
+        statuses = [(await harness.chat(f"question {index}"))[0] for index in range(4)]
+        assert statuses == [200] * 4
+        dead: Backend = harness.gateway.pool.backends[1]
+        assert not dead.healthy and len(live.received) == 4
+        harness.assert_nothing_held()
+
+
+async def test_connection_closed_before_the_answer_is_retried() -> None:
+    backend = FakeBackend(script=[close_before_answer])
+    async with running_gateway(backend) as harness:
+        status, _, _ = await harness.chat()
+        assert status == 200 and len(backend.received) == 2
+        assert harness.metric("gateway_upstream_errors_total", kind="broken_before_answer") == 1
+        assert harness.metric("gateway_requests_total") == 1  # the client saw one request
+        harness.assert_nothing_held()
+
+
+async def test_backend_that_always_closes_early_is_502_after_the_retries() -> None:
+    backend = FakeBackend(default=close_before_answer)
+    async with running_gateway(backend, max_retries=2) as harness:
+        status, body, _ = await harness.chat()
+        assert status == 502 and body["error"]["code"] == "upstream_broken"
+        assert len(backend.received) == 3
+        harness.assert_nothing_held()
+
+
+async def test_stream_broken_mid_way_ends_with_an_sse_error_event() -> None:
+    async with running_gateway(FakeBackend(default=stream_then_cut(2))) as harness:
+        status, body, _ = await harness.chat(stream=True)
+        assert status == 200
+        events = sse_events(body["raw"])
+        assert len(events) == 3 and "[DONE]" not in events
+        assert json.loads(events[-1])["error"]["code"] == "upstream_broken"
+        assert harness.metric("gateway_requests_total", status="200") == 1
+        assert harness.metric("gateway_upstream_errors_total", kind="broken") == 1
+        harness.assert_nothing_held()
+
+
+async def test_silent_backend_is_504_after_the_first_byte_timeout() -> None:
+    backend = FakeBackend(default=silent(5.0))
+    async with running_gateway(backend, first_byte_timeout_s=0.2) as harness:
+        status, body, _ = await harness.chat(stream=True)
+        assert status == 504 and body["error"]["type"] == "timeout"
+        assert len(backend.received) == 1  # a timeout is not retried: the engine may be generating
+        await asyncio.sleep(0.05)
+        assert backend.abandoned == 1  # and the backend's request was closed
+        harness.assert_nothing_held()
+
+
+async def test_client_that_leaves_closes_the_backend_request_and_releases_its_placement() -> None:
+    backend = FakeBackend(default=stream_forever())
+    async with running_gateway(backend) as harness:
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+        response = await harness.client.post("/v1/chat/completions", json=body)
+        assert response.status == 200
+        await response.content.readany()
+        assert harness.gateway.pool.backends[0].in_flight == 1
+        response.close()  # the client leaves mid-stream
+        for _ in range(100):
+            if backend.abandoned and harness.gateway.pool.backends[0].in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert backend.abandoned == 1
+        assert harness.metric("gateway_requests_total", status="499") == 1
+        harness.assert_nothing_held()
+
+
+@pytest.mark.parametrize("status,code", [(400, "context_length_exceeded"), (404, "not_found"),
+                                         (500, "internal"), (503, "busy")])
+async def test_backend_error_answers_are_relayed_unchanged(status: int, code: str) -> None:
+    async with running_gateway(FakeBackend(default=answer_status(status, code))) as harness:
+        got, body, headers = await harness.chat()
+        assert got == status and body["error"]["code"] == code
+        assert headers["x-backend-marker"] == "kept"
+        backend = harness.gateway.pool.backends[0]
+        assert backend.healthy  # an answer, even 5xx, is not a broken exchange
+        harness.assert_nothing_held()
+
+
+async def test_overload_beyond_the_queue_wait_is_429_with_retry_after() -> None:
+    async with running_gateway(FakeBackend(default=silent(0.5)), max_concurrent_requests=1,
+                               max_queue_wait_s=0.1) as harness:
+        first = asyncio.ensure_future(harness.chat("slow"))
+        await asyncio.sleep(0.05)
+        status, body, headers = await harness.chat("shed")
+        assert status == 429 and headers["Retry-After"] == "1"
+        assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "too_many_requests"
+        async with harness.client.get("/health") as health:  # probes never wait for a slot
+            assert health.status == 200
+        async with harness.client.get("/ready") as ready:
+            assert (await ready.json())["requests"] == {"in_flight": 1, "waiting": 0}
+        assert (await first)[0] == 200
+        assert harness.metric("gateway_requests_total", status="429") == 1
+        harness.assert_nothing_held()
+
+
+async def test_waiting_request_gets_the_slot_of_one_that_finished() -> None:
+    async with running_gateway(FakeBackend(default=silent(0.1)), max_concurrent_requests=1,
+                               max_queue_wait_s=2.0) as harness:
+        results = await asyncio.gather(*(harness.chat(f"q{index}") for index in range(3)))
+        assert [status for status, _, _ in results] == [200, 200, 200]
+        harness.assert_nothing_held()
+
+
+async def test_client_that_leaves_while_queued_gives_its_place_back() -> None:
+    async with running_gateway(FakeBackend(default=silent(0.3)), max_concurrent_requests=1,
+                               max_queue_wait_s=5.0) as harness:
+        first = asyncio.ensure_future(harness.chat("running"))
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(harness.chat("queued"))
+        await asyncio.sleep(0.05)
+        assert harness.gateway.admission.waiting == 1
+        queued.cancel()
+        await asyncio.sleep(0.05)
+        assert harness.gateway.admission.waiting == 0
+        assert (await first)[0] == 200
+        harness.assert_nothing_held()
+
+
+async def test_api_key_is_required_everywhere_but_the_probes() -> None:
+    async with running_gateway(FakeBackend(), api_keys=("client-key",), admin_api_keys=("admin-key",)) as harness:
+        status, body, headers = await harness.chat()
+        assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
+        assert body["error"] == {"message": body["error"]["message"], "type": "invalid_request_error",
+                                 "param": None, "code": "invalid_api_key"}
+        assert (await harness.chat(headers={"Authorization": "Bearer wrong"}))[0] == 401
+        assert (await harness.chat(headers={"Authorization": "Bearer client-key"}))[0] == 200
+        for path in ("/health", "/ready"):
+            async with harness.client.get(path) as response:
+                assert response.status == 200
+        for key, expected in ((None, 401), ("client-key", 401), ("admin-key", 200)):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            async with harness.client.get("/metrics", headers=headers) as response:
+                assert response.status == expected
+        assert harness.metric("gateway_requests_total", status="401") == 2
+
+
+async def test_body_over_the_limit_is_413() -> None:
+    backend = FakeBackend()
+    async with running_gateway(backend, max_body_bytes=1024) as harness:
+        status, body, _ = await harness.chat("x" * 2000)
+        assert status == 413 and body["error"]["type"] == "invalid_request_error"
+        chunked = harness.client.post("/v1/chat/completions", data=_chunks(b"x" * 4096))  # no Content-Length
+        async with chunked as response:
+            assert response.status == 413
+        assert not backend.received
+        assert harness.metric("gateway_requests_total", status="413") == 2
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), 512):
+        yield data[start:start + 512]
+
+
+@pytest.mark.parametrize("raw,why", [
+    (b"{", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b'{"messages": "hi"}', "wrong type"),
+    (b'{"messages": []}', "at least one message"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "model": 7}', "'model' must be a string"),
+    (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "model": "\\ud800"}', "does not exist"),
+])
+async def test_bad_bodies_are_400_or_404_in_openai_shape(raw: bytes, why: str) -> None:
+    backend = FakeBackend()
+    async with running_gateway(backend) as harness:
+        async with harness.client.post("/v1/chat/completions", data=raw,
+                                       headers={"content-type": "application/json"}) as response:
+            body = await response.json()
+            assert response.status in (400, 404) and why in body["error"]["message"], body
+        assert not backend.received
+        assert harness.metric("gateway_requests_total", status=str(response.status)) == 1
+
+
+async def test_deeply_nested_prompt_that_parses_is_400_or_relayed_never_500() -> None:
+    nested = "[" * 900 + "]" * 900
+    raw = ('{"messages": [{"role": "user", "content": ' + nested + '}]}').encode()
+    async with running_gateway(FakeBackend()) as harness:
+        async with harness.client.post("/v1/chat/completions", data=raw) as response:
+            assert response.status in (200, 400)
+        harness.assert_nothing_held()
+
+
+async def test_lone_surrogate_in_a_rewritten_prompt_is_forwarded_as_the_client_escaped_it() -> None:
+    backend = FakeBackend()
+    raw = ('{"messages": [{"role": "system", "content": "request id 3f2a9c1e-8b7d-4e6f-9a0b-1c2d3e4f5a6b '
+           '\\ud800 you are helpful"}, {"role": "user", "content": "hi"}]}').encode()
+    async with running_gateway(backend) as harness:
+        async with harness.client.post("/v1/chat/completions", data=raw) as response:
+            assert response.status == 200
+        assert b"\\ud800" in backend.bodies[0]
+
+
+async def test_credentials_stay_at_the_gateway_and_the_backend_key_is_sent_instead() -> None:
+    backend = FakeBackend()
+    async with running_gateway(backend) as harness:
+        await harness.chat(headers={"Authorization": "Bearer client-secret", "Cookie": "session=1",
+                                    "Connection": "keep-alive, x-hop", "x-hop": "1", "x-kept": "yes",
+                                    "x-request-id": "r" * 500})
+        received = backend.received[0].headers
+        assert "Authorization" not in received and "Cookie" not in received and "x-hop" not in received
+        assert received["x-kept"] == "yes" and received["X-Forwarded-For"] == "127.0.0.1"
+        assert len(received["x-request-id"]) <= 128
+
+
+async def test_query_string_reaches_the_backend() -> None:
+    backend = FakeBackend()
+    async with running_gateway(backend) as harness:
+        async with harness.client.post("/v1/chat/completions?api-version=2", json={"messages": [{"role": "user",
+                                                                                  "content": "hi"}]}) as response:
+            assert response.status == 200
+        assert backend.received[0].path_qs == "/v1/chat/completions?api-version=2"
+
+
+async def test_shutdown_makes_ready_503_lets_short_answers_finish_and_ends_the_rest_with_an_error_event(
+        caplog: pytest.LogCaptureFixture) -> None:
+    slow, endless = FakeBackend(default=silent(0.2)), FakeBackend(default=stream_forever())
+    async with running_gateway(slow, endless, shutdown_grace_s=0.5) as harness:
+        short = await _placed_on(harness, 0)
+        long_stream = await _placed_on(harness, 1, stream=True)
+        await asyncio.sleep(0.05)
+        caplog.set_level(logging.INFO)
+        stopping = asyncio.ensure_future(harness.gateway.on_shutdown(harness.client.app))
+        await asyncio.sleep(0.01)
+        async with harness.client.get("/ready") as ready:
+            assert ready.status == 503 and (await ready.json())["stopping"] is True
+        await stopping
+        status, body, _ = await short
+        assert status == 200 and body["choices"]
+        status, body, _ = await long_stream
+        events = sse_events(body["raw"])
+        assert status == 200 and json.loads(events[-1])["error"]["code"] == "shutting_down"
+        assert harness.metric("gateway_requests_total", status="200") == 2
+        assert "Traceback" not in caplog.text and "CancelledError" not in caplog.text
+        harness.assert_nothing_held()
+
+
+async def _placed_on(harness: Harness, backend_index: int, **extra: object
+                     ) -> asyncio.Future[tuple[int, dict[str, Any], CIMultiDictProxy[str]]]:
+    """A chat request under way on one backend: the others are marked down until it is placed."""
+    backends = harness.gateway.pool.backends
+    for index, backend in enumerate(backends):
+        backend.healthy = index == backend_index
+    request = asyncio.ensure_future(harness.chat(f"to {backend_index}", **extra))
+    while backends[backend_index].in_flight == 0:
+        await asyncio.sleep(0.005)
+    for backend in backends:
+        backend.healthy = True
+    return request
+
+
+async def test_client_that_stops_reading_is_dropped_after_the_write_timeout() -> None:
+    backend = FakeBackend(default=stream_forever(period_s=0.0, payload_bytes=60_000))
+    async with running_gateway(backend, write_timeout_s=0.3) as harness:
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+        response = await harness.client.post("/v1/chat/completions", json=body)
+        assert response.status == 200
+        assert response.connection is not None
+        response.connection.transport.pause_reading()  # type: ignore[union-attr]
+        for _ in range(300):
+            if backend.abandoned:
+                break
+            await asyncio.sleep(0.02)
+        assert backend.abandoned == 1
+        response.close()
+        await asyncio.sleep(0.02)
+        assert harness.metric("gateway_requests_total", status="499") == 1
+        harness.assert_nothing_held()
+
