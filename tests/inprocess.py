@@ -190,8 +190,8 @@ async def running_gateway(*backends: FakeBackend, dead: int = 0, **options: Any)
     client = TestClient(TestServer(app))
     await client.start_server()
     gateway = app[GATEWAY]
-    for backend in gateway.pool.backends:
-        backend.mark_up()
+    for placed in gateway.pool.backends:
+        placed.mark_up()
     try:
         yield Harness(client, gateway, list(backends))
     finally:

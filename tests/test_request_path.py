@@ -180,8 +180,8 @@ async def test_api_key_is_required_everywhere_but_the_probes() -> None:
             async with harness.client.get(path) as response:
                 assert response.status == 200
         for key, expected in ((None, 401), ("client-key", 401), ("admin-key", 200)):
-            headers = {"Authorization": f"Bearer {key}"} if key else {}
-            async with harness.client.get("/metrics", headers=headers) as response:
+            auth = {"Authorization": f"Bearer {key}"} if key else {}
+            async with harness.client.get("/metrics", headers=auth) as response:
                 assert response.status == expected
         assert harness.metric("gateway_requests_total", status="401") == 2
 
@@ -286,7 +286,7 @@ async def test_shutdown_makes_ready_503_lets_short_answers_finish_and_ends_the_r
         harness.assert_nothing_held()
 
 
-async def _placed_on(harness: Harness, backend_index: int, **extra: object
+async def _placed_on(harness: Harness, backend_index: int, **extra: Any
                      ) -> asyncio.Future[tuple[int, dict[str, Any], CIMultiDictProxy[str]]]:
     """A chat request under way on one backend: the others are marked down until it is placed."""
     backends = harness.gateway.pool.backends
