@@ -39,8 +39,7 @@ from gateway.auth import ApiKeys
 from gateway.backends import Backend, Pool
 from gateway.config import GatewayConfig
 from gateway.dashboard import Dashboard
-from gateway.errors import (BadRequest, ErrorShape, GatewayError, GatewayOverloaded, PayloadTooLarge,
-                            StoredResponseUnavailable)
+from gateway.errors import BadRequest, ErrorShape, GatewayError, PayloadTooLarge, StoredResponseUnavailable
 from gateway.headers import HeaderPolicy, client_request_id, forwarded_headers
 from gateway.health import Upkeep
 from gateway.logs import AccessLog, flush_every
@@ -52,7 +51,7 @@ from gateway.responses import ResponseOwners, locate, response_id_of
 from gateway.rewrite import Rewriter, enabled_for
 from gateway.router import Placement, Router
 from gateway.shared_state import shared_state
-from gateway.upstream import Failure, UpstreamClient, UpstreamFailure, UpstreamResponse, log_ignored_proxy_environment
+from gateway.upstream import UpstreamClient, UpstreamFailure, UpstreamResponse, log_ignored_proxy_environment
 
 logger = logging.getLogger(__name__)
 
@@ -232,8 +231,7 @@ class Gateway:
                                                   headers, timeout_s)
             except UpstreamFailure as exc:
                 if not self.retry_after(placement, exchange, exc, len(tried)):
-                    raise (GatewayOverloaded(f"The gateway ran out of resources ({exc.detail}).")
-                           if exc.failure is Failure.LOCAL else error_for(exc)) from exc
+                    raise error_for(exc) from exc
                 tried.append(placement)
                 continue
             except BaseException as exc:  # the client left (we were cancelled), or a bug
@@ -386,7 +384,7 @@ class Gateway:
         """The server has stopped accepting: /ready says so at once, open answers get `shutdown_grace_s` to
         finish, and those still open then end with an SSE error event."""
         self.stopping = True
-        logger.info("shutting down: %d answers in flight get up to %.0f s", len(self.open_relays),
+        logger.info("shutting down: %d answers in flight get up to %g s", len(self.open_relays),
                     self.config.shutdown_grace_s)
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self.open_relays and time.monotonic() < deadline:

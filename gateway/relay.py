@@ -21,7 +21,7 @@ from enum import Enum
 
 from aiohttp import web
 
-from gateway.errors import ErrorShape, GatewayError, ShuttingDown, UpstreamError, UpstreamTimeout
+from gateway.errors import ErrorShape, GatewayError, GatewayOverloaded, ShuttingDown, UpstreamError, UpstreamTimeout
 from gateway.headers import relayed_headers
 from gateway.upstream import Failure, UpstreamFailure, UpstreamResponse
 from gateway.usage import Usage, UsageTap
@@ -68,7 +68,9 @@ class Outcome:
 
 
 def error_for(failure: UpstreamFailure) -> GatewayError:
-    """What a client is told about a backend's failure."""
+    """What a client is told about a failed exchange: the backend's failure, or the gateway's own."""
+    if failure.failure is Failure.LOCAL:
+        return GatewayOverloaded(f"The gateway ran out of resources ({failure.detail}).")
     if failure.failure.timed_out:
         return UpstreamTimeout(f"The backend did not answer in time ({failure.detail}).", code="upstream_timeout")
     return UpstreamError(f"The backend broke the exchange ({failure.detail}).", code="upstream_broken")

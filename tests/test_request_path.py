@@ -13,6 +13,7 @@ import pytest
 from multidict import CIMultiDictProxy
 
 from gateway.backends import Backend
+from gateway.upstream import Failure, UpstreamFailure, UpstreamResponse
 from tests.inprocess import (FakeBackend, Harness, answer_status, answer_stream, chunk, close_before_answer,
                              running_gateway, silent, stream_forever, stream_then_cut)
 
@@ -53,6 +54,21 @@ async def test_refused_connection_is_retried_on_another_backend() -> None:
         assert statuses == [200] * 4
         dead: Backend = harness.gateway.pool.backends[1]
         assert not dead.healthy and len(live.received) == 4
+        harness.assert_nothing_held()
+
+
+async def test_gateway_out_of_descriptors_is_503_and_never_the_backend_fault() -> None:
+    async with running_gateway(FakeBackend()) as harness:
+        async def out_of_files(*args: object, **kwargs: object) -> UpstreamResponse:
+            raise UpstreamFailure(Failure.LOCAL, "OSError: [Errno 24] Too many open files")
+
+        harness.gateway.client.open = out_of_files  # type: ignore[method-assign]
+        status, body, headers = await harness.chat()
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert body["error"]["code"] == "gateway_overloaded"
+        assert harness.gateway.pool.backends[0].healthy
+        assert harness.metric("gateway_requests_total", status="503") == 1  # as the client saw it
+        assert harness.metric("gateway_requests_total", status="502") == 0
         harness.assert_nothing_held()
 
 
