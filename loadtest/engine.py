@@ -98,6 +98,7 @@ class EngineStats:
     prompt_tokens_total: int
     cached_tokens_total: int
     generation_tokens_total: int
+    aborted_total: int = 0      # requests dropped before their end because their client went away
 
 
 class RequestTooLarge(ValueError):
@@ -187,6 +188,7 @@ class Engine:
         self._prompt_tokens_total = 0
         self._cached_tokens_total = 0
         self._generation_tokens_total = 0
+        self._aborted_total = 0
 
     def start(self) -> None:
         if self._task is None:
@@ -220,6 +222,7 @@ class Engine:
         """Drop a request whose client went away; frees its slot and KV reservation."""
         if gen.finished:
             return
+        self._aborted_total += 1
         if gen in self._waiting:
             self._waiting.remove(gen)
         for group in (self._prefilling, self._running):
@@ -244,7 +247,7 @@ class Engine:
             token_usage=min(1.0, running_tokens / self.config.kv_capacity_tokens),
             cache_hit_rate=self._cached_tokens_total / prompt_total if prompt_total else 0.0,
             prompt_tokens_total=prompt_total, cached_tokens_total=self._cached_tokens_total,
-            generation_tokens_total=self._generation_tokens_total)
+            generation_tokens_total=self._generation_tokens_total, aborted_total=self._aborted_total)
 
     async def _loop(self) -> None:
         while True:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
@@ -113,13 +113,14 @@ def start_process(
     ready_path: str | None,
     env: Mapping[str, str] | None = None,
     timeout_s: float = 60.0,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> Process:
     """Start `argv` in its own process group and wait until `ready_path` answers 200 at every URL (None: until
     a Redis server answers PING at the URL's port)."""
     with tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False) as log:
         popen = subprocess.Popen(
             list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=dict(env) if env is not None else None, start_new_session=True,
+            env=dict(env) if env is not None else None, start_new_session=True, preexec_fn=preexec_fn,
         )
     process = Process(name, list(urls), popen, log.name)
     try:
@@ -206,9 +207,11 @@ class Fleet:
 
     def start_gateway(self, backends: Sequence[str], *, args: Sequence[str] = (),
                       env: Mapping[str, str] | None = None, name: str = "gateway",
-                      ready_path: str = "/ready", port: int | None = None) -> Process:
+                      ready_path: str = "/ready", port: int | None = None,
+                      preexec_fn: Callable[[], None] | None = None) -> Process:
         """The gateway in front of `backends`; `ready_path="/health"` for one that is not meant to be ready.
-        A `port` asked for must be free (FleetError otherwise); without one a free port is picked."""
+        A `port` asked for must be free (FleetError otherwise); without one a free port is picked. `preexec_fn`
+        runs in the child before it starts (to set resource limits, say)."""
         if port:
             check_port_free(port)
         port = port or free_port()
@@ -217,7 +220,8 @@ class Fleet:
                 "--expose-backend-urls", "true"]
         for backend in backends:
             argv += ["--backend", backend]
-        process = start_process(name, [*argv, *args], [base_url(port)], ready_path=ready_path, env=env)
+        process = start_process(name, [*argv, *args], [base_url(port)], ready_path=ready_path, env=env,
+                                preexec_fn=preexec_fn)
         self.processes.append(process)
         return process
 

@@ -95,6 +95,8 @@ class _EngineCollector(Collector):
             ("sglang:prompt_tokens", CounterMetricFamily, stats.prompt_tokens_total, "Prompt tokens"),
             ("sglang:generation_tokens", CounterMetricFamily, stats.generation_tokens_total, "Generated tokens"),
             ("sglang:cached_tokens", CounterMetricFamily, stats.cached_tokens_total, "Prompt tokens from cache"),
+            # The simulator's own (tests read it): requests aborted because their client went away.
+            ("replica:aborted_requests", CounterMetricFamily, stats.aborted_total, "Requests aborted"),
         ):
             family = kind(name, help_text, labels=["model_name"])
             family.add_metric([self.model], value)

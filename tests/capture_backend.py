@@ -26,12 +26,14 @@ from loadtest.fleet import base_url, free_port
 class Captured:
     bodies: list[bytes] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)  # with the query string
 
 
 def capture_app(model: str, captured: Captured) -> Starlette:
     async def chat(request: Request) -> Response:
         captured.bodies.append(await request.body())
         captured.headers.append(dict(request.headers))
+        captured.paths.append(request.url.path + (f"?{request.url.query}" if request.url.query else ""))
         if json.loads(captured.bodies[-1]).get("reject"):
             return JSONResponse({"error": {"message": "context too long", "type": "invalid_request_error",
                                            "param": None, "code": "context_length_exceeded"}}, status_code=400)
