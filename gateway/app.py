@@ -39,7 +39,8 @@ from gateway.auth import ApiKeys
 from gateway.backends import Backend, Pool
 from gateway.config import GatewayConfig
 from gateway.dashboard import Dashboard
-from gateway.errors import BadRequest, ErrorShape, GatewayError, PayloadTooLarge, StoredResponseUnavailable
+from gateway.errors import (BadRequest, ErrorShape, GatewayError, PayloadTooLarge, ShuttingDown,
+                            StoredResponseUnavailable)
 from gateway.headers import HeaderPolicy, client_request_id, forwarded_headers
 from gateway.health import Upkeep
 from gateway.logs import AccessLog, flush_every
@@ -117,12 +118,17 @@ class Gateway:
         self.responses = ResponseOwners(config.responses_max_ids, config.responses_ttl_s)
         self.log_access = AccessLog()
         self.open_relays: set[Relay] = set()
+        self.unanswered: set[asyncio.Task[Any]] = set()  # requests not yet relaying an answer (queued, parsing,
+        self.cut_by_shutdown: set[asyncio.Task[Any]] = set()  # waiting for the backend), and those we stopped
         self.stopping = False
         self.log_flusher: asyncio.Task[None] | None = None
 
     # -- the request path -------------------------------------------------------------------------------
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
+        return await self.until_shutdown(self.admitted(request))
+
+    async def admitted(self, request: web.Request) -> web.StreamResponse:
         await self.admission.enter()
         try:
             exchange = await self.parse(request, RELAYED_PATHS[request.path])
@@ -134,6 +140,9 @@ class Gateway:
             self.admission.leave()
 
     async def relay_stored(self, request: web.Request) -> web.StreamResponse:
+        return await self.until_shutdown(self.admitted_stored(request))
+
+    async def admitted_stored(self, request: web.Request) -> web.StreamResponse:
         """GET, DELETE or cancel a stored response: at the backend that holds it (chosen in `parse_stored`)."""
         await self.admission.enter()
         try:
@@ -142,6 +151,22 @@ class Gateway:
             return await self.relay_answer(request, exchange, placement, upstream)
         finally:
             self.admission.leave()
+
+    async def until_shutdown(self, handling: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+        """Run a request's handling; one still unanswered when the shutdown grace ends gets 503 (see
+        `on_shutdown`; an answer already under way is ended by its `Relay`)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.unanswered.add(task)
+        try:
+            return await handling
+        except asyncio.CancelledError:
+            if task not in self.cut_by_shutdown:
+                raise
+            task.uncancel()  # our own stop, not the client's: it gets an answer it can retry elsewhere
+            raise ShuttingDown("The gateway is shutting down; retry the request.") from None
+        finally:
+            self.unanswered.discard(task)
 
     async def parse(self, request: web.Request, endpoint: Endpoint) -> Exchange:
         request_id_ = client_request_id(request.headers, os.urandom(16).hex())
@@ -234,10 +259,8 @@ class Gateway:
                     raise error_for(exc) from exc
                 tried.append(placement)
                 continue
-            except BaseException as exc:  # the client left (we were cancelled), or a bug
-                gone = isinstance(exc, asyncio.CancelledError)
-                self.finish(placement, exchange, Outcome(status=499 if gone else 500,
-                                                         ending=Ending.CLIENT_GONE if gone else None))
+            except BaseException as exc:  # the client left or the shutdown grace ran out (cancelled), or a bug
+                self.finish(placement, exchange, self.cancelled_outcome(exc))
                 raise
             return placement, upstream
 
@@ -247,6 +270,13 @@ class Gateway:
         if exchange.endpoint.routes_by_prefix:
             return self.router.place(exchange.model, routing, avoid=avoid)
         return self.router.place_least_loaded(exchange.model, routing, avoid=avoid)
+
+    def cancelled_outcome(self, exc: BaseException) -> Outcome:
+        if not isinstance(exc, asyncio.CancelledError):
+            return Outcome(status=500)
+        if asyncio.current_task() in self.cut_by_shutdown:
+            return Outcome(status=ShuttingDown.status_code, ending=Ending.SHUTDOWN)
+        return Outcome(status=499, ending=Ending.CLIENT_GONE)
 
     def retry_after(self, placement: Placement, exchange: Exchange, exc: UpstreamFailure, tries: int) -> bool:
         """Whether to send the request again after `exc`. A retried attempt counts as its backend's error, not
@@ -268,6 +298,8 @@ class Gateway:
 
     async def relay_answer(self, request: web.Request, exchange: Exchange, placement: Placement,
                            upstream: UpstreamResponse) -> web.StreamResponse:
+        if (task := asyncio.current_task()) is not None:
+            self.unanswered.discard(task)  # from here on, a shutdown ends it as an open answer (`Relay`)
         relay = Relay(request, upstream, self.response_headers(exchange, placement), exchange.streaming,
                       placement.placed_s, self.config.write_timeout_s)
         self.open_relays.add(relay)
@@ -384,13 +416,16 @@ class Gateway:
         """The server has stopped accepting: /ready says so at once, open answers get `shutdown_grace_s` to
         finish, and those still open then end with an SSE error event."""
         self.stopping = True
-        logger.info("shutting down: %d answers in flight get up to %g s", len(self.open_relays),
-                    self.config.shutdown_grace_s)
+        logger.info("shutting down: %d requests in flight get up to %g s",
+                    len(self.open_relays) + len(self.unanswered), self.config.shutdown_grace_s)
         deadline = time.monotonic() + self.config.shutdown_grace_s
-        while self.open_relays and time.monotonic() < deadline:
+        while (self.open_relays or self.unanswered) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for relay in list(self.open_relays):
             relay.stop_for_shutdown()
+        for task in list(self.unanswered):  # still queued or waiting for the backend: answered 503
+            self.cut_by_shutdown.add(task)
+            task.cancel()
 
     async def on_cleanup(self, app: web.Application) -> None:
         await self.shared.stop()

@@ -316,6 +316,21 @@ async def _placed_on(harness: Harness, backend_index: int, **extra: Any
     return request
 
 
+async def test_shutdown_answers_503_to_requests_still_waiting_for_the_backend_when_the_grace_ends(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async with running_gateway(FakeBackend(default=silent(5.0)), shutdown_grace_s=0.3) as harness:
+        waiting = asyncio.ensure_future(harness.chat(stream=True))
+        await asyncio.sleep(0.1)
+        caplog.set_level(logging.INFO)
+        await harness.gateway.on_shutdown(harness.client.app)
+        status, body, headers = await waiting
+        assert status == 503 and body["error"]["code"] == "shutting_down" and headers["Retry-After"] == "1"
+        assert harness.metric("gateway_requests_total", status="503") == 1
+        assert "status=503 error=shutdown" in caplog.text
+        assert "Traceback" not in caplog.text
+        harness.assert_nothing_held()
+
+
 async def test_client_that_stops_reading_is_dropped_after_the_write_timeout() -> None:
     backend = FakeBackend(default=stream_forever(period_s=0.0, payload_bytes=60_000))
     async with running_gateway(backend, write_timeout_s=0.3) as harness:
