@@ -13,6 +13,7 @@ import pytest
 from multidict import CIMultiDictProxy
 
 from gateway.backends import Backend
+from gateway.headers import parse_networks
 from gateway.upstream import Failure, UpstreamFailure, UpstreamResponse
 from tests.inprocess import (FakeBackend, Harness, answer_status, answer_stream, chunk, close_before_answer,
                              running_gateway, silent, stream_forever, stream_then_cut)
@@ -268,6 +269,33 @@ async def test_credentials_stay_at_the_gateway_and_the_backend_key_is_sent_inste
         assert "Authorization" not in received and "Cookie" not in received and "x-hop" not in received
         assert received["x-kept"] == "yes" and received["X-Forwarded-For"] == "127.0.0.1"
         assert len(received["x-request-id"]) <= 128
+
+
+async def test_forwarded_for_is_extended_only_behind_a_trusted_proxy() -> None:
+    spoofed = {"X-Forwarded-For": "6.6.6.6", "Forwarded": "for=6.6.6.6"}
+    for trusted, chain in (((), "127.0.0.1"), (parse_networks(["127.0.0.0/8"]), "6.6.6.6, 127.0.0.1")):
+        backend = FakeBackend()
+        async with running_gateway(backend, trusted_proxies=trusted) as harness:
+            await harness.chat(headers=spoofed)
+            assert backend.received[0].headers["X-Forwarded-For"] == chain
+
+
+async def test_unknown_route_and_method_are_refused_in_openai_shape() -> None:
+    async with running_gateway(FakeBackend()) as harness:
+        for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/chat/completions", 405)):
+            async with harness.client.request(method, path) as response:
+                body = await response.json()
+                assert response.status == status and body["error"]["type"] == "invalid_request_error"
+
+
+async def test_rejected_request_gets_an_access_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    async with running_gateway(FakeBackend()) as harness:
+        async with harness.client.post("/v1/chat/completions", data=b"{",
+                                       headers={"x-request-id": "bad-json-1"}) as response:
+            assert response.status == 400
+    [line] = [record.getMessage() for record in caplog.records if record.name == "gateway.access"]
+    assert "status=400" in line and "id=bad-json-1" in line
 
 
 async def test_query_string_reaches_the_backend() -> None:
