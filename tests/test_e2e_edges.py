@@ -317,3 +317,26 @@ def test_client_credentials_are_not_forwarded_and_the_backend_key_is(fleet: Flee
     assert received["x-forwarded-for"] == "127.0.0.1" and received["forwarded"] == "for=127.0.0.1"
     assert len(received["x-request-id"]) <= 128 and response.headers["x-request-id"] == received["x-request-id"]
     assert captured.paths[0] == CHAT + "?trace=1"
+
+
+def test_bad_input_is_4xx_in_openai_shape_and_the_gateway_still_serves(fleet: Fleet) -> None:
+    replica = fleet.start_replica(args=FAST_REPLICA)
+    gateway = fleet.start_gateway(replica.urls, args=[*FAST_GATEWAY, "--max-body-bytes", "300000"])
+    bad = {
+        b"{": 400,                                                            # not JSON
+        b"[" * 100_000 + b"]" * 100_000: 400,                                  # nested past the parser
+        b'{"messages": [{"role": "user", "content": ' + b"[" * 900 + b"]" * 900 + b"}]}": 200,  # deep, but fine
+        b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "model": "\\udfff"}': 404,  # lone surrogates
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1' + b"0" * 5000 + b"}": 400,  # huge
+        b'{"messages": "hi"}': 400,                                           # wrong type
+        json.dumps(question("x" * 310_000)).encode(): 413,                     # over --max-body-bytes
+    }
+    with httpx2.Client(trust_env=False, timeout=30) as client:
+        for raw, expected in bad.items():
+            response = client.post(gateway.url + CHAT, content=raw, headers={"content-type": "application/json"})
+            assert response.status_code == expected, (raw[:80], response.text[:300])
+            if expected >= 400:
+                assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert client.post(gateway.url + CHAT, json=question()).status_code == 200
+    assert backends_of(gateway.url)[0]["in_flight"] == 0
+    assert "Traceback" not in gateway.log_tail(max_chars=50_000)
