@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from types import FrameType
 
-from aiohttp import web
+from aiohttp import web, web_protocol
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -47,6 +47,18 @@ def raise_open_file_limit() -> int:
     return soft
 
 
+def bound_request_queue() -> None:
+    """Let aiohttp queue at most 2 parsed request heads per connection (it queues 32 before it pauses reading).
+
+    A client flooding a header past the 8 KiB limit turns every further read (256 KiB) into one more queued
+    400 carrying a copy of the data until the first 400 is sent: ~16 MB per connection at 32, so ten such
+    clients grew the gateway by 100+ MB a round, kept by the allocator. At 2 the queue is flow control for
+    pipelined requests still, and reading resumes as it drains. The constant is aiohttp's own (private):
+    should it go away, this does nothing."""
+    if hasattr(web_protocol, "MAX_MSG_QUEUE_SIZE"):
+        web_protocol.MAX_MSG_QUEUE_SIZE = 2
+
+
 def serve_worker(config: GatewayConfig, reuse_port: bool) -> None:
     """Run one gateway process until SIGTERM or SIGINT."""
     try:
@@ -54,6 +66,7 @@ def serve_worker(config: GatewayConfig, reuse_port: bool) -> None:
         uvloop.install()
     except ImportError:  # uvloop is optional off CPython/Linux; asyncio's loop works, only slower
         pass
+    bound_request_queue()
     open_files = raise_open_file_limit()
     if open_files < 2 * config.max_concurrent_requests + 64:
         logger.warning("open-file limit %d is low for --max-concurrent-requests %d (each request holds two "
