@@ -216,13 +216,14 @@ OPTIONS: tuple[Option, ...] = (
            "seconds a client that stopped reading an answer is given before it is dropped and the backend's "
            "request cancelled"),
     Option("shutdown_grace_secs", "", "shutdown_grace_s", at_least(0.0, number),
-           "on SIGTERM, seconds open answers get to finish before they end with an error event"),
+           "on SIGTERM, seconds open requests get to finish; then open streams end with an SSE error event "
+           "and requests still waiting for their backend get 503"),
     Option("api_key", "", "api_keys", strings,
            "client API key (Authorization: Bearer KEY) required on every route but /health and /ready; repeat "
            "for several; also read from --api-key-file and PREFIX_GATEWAY_API_KEYS (comma-separated)", "KEY",
            repeatable=True),
     Option("admin_api_key", "", "admin_api_keys", strings,
-           "key that alone opens /metrics, /backends and /dashboard (default: any client key does)", "KEY",
+           "key that alone opens /metrics, /backends and /dashboard; without one, any client key does", "KEY",
            repeatable=True),
     Option("forward_client_credentials", "", "forward_client_credentials", boolean,
            "pass the client's Authorization and Cookie headers to backends (true/false)", "BOOL"),
