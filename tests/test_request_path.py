@@ -298,6 +298,21 @@ async def test_rejected_request_gets_an_access_log_line(caplog: pytest.LogCaptur
     assert "status=400" in line and "id=bad-json-1" in line
 
 
+async def test_backend_gets_exactly_the_encoding_headers_the_client_sent() -> None:
+    backend = FakeBackend()
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    async with running_gateway(backend) as harness:
+        bare = ("Accept-Encoding", "User-Agent", "Accept")
+        async with harness.client.post("/v1/chat/completions", json=body, skip_auto_headers=bare) as response:
+            assert response.status == 200
+        async with harness.client.post("/v1/chat/completions", json=body,
+                                       headers={"Accept-Encoding": "identity"}) as response:
+            assert response.status == 200
+    first, second = (request.headers for request in backend.received)
+    assert "Accept-Encoding" not in first and "User-Agent" not in first
+    assert second["Accept-Encoding"] == "identity"
+
+
 async def test_query_string_reaches_the_backend() -> None:
     backend = FakeBackend()
     async with running_gateway(backend) as harness:
