@@ -115,6 +115,14 @@ async def test_silent_backend_is_504_after_the_first_byte_timeout() -> None:
         harness.assert_nothing_held()
 
 
+async def test_non_streamed_answer_is_504_after_the_request_timeout() -> None:
+    backend = FakeBackend(default=silent(5.0))
+    async with running_gateway(backend, request_timeout_s=0.2, first_byte_timeout_s=60.0) as harness:
+        status, body, _ = await harness.chat()
+        assert status == 504 and body["error"]["code"] == "upstream_timeout"
+        harness.assert_nothing_held()
+
+
 async def test_client_that_leaves_closes_the_backend_request_and_releases_its_placement() -> None:
     backend = FakeBackend(default=stream_forever())
     async with running_gateway(backend) as harness:
