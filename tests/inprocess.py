@@ -191,7 +191,7 @@ async def running_gateway(*backends: FakeBackend, dead: int = 0, **options: Any)
     await client.start_server()
     gateway = app[GATEWAY]
     for placed in gateway.pool.backends:
-        placed.mark_up()
+        placed.health_check_passed(success_threshold=1)
     try:
         yield Harness(client, gateway, list(backends))
     finally:

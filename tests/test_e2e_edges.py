@@ -83,7 +83,7 @@ def test_gateway_out_of_file_descriptors_sheds_load_and_marks_no_backend_down(fl
     # unanswered (a connection the process had no descriptor for: libuv accepts and closes it). Never a 502.
     assert outcomes["200"] > 0 and outcomes["503"] > 0, outcomes
     assert set(outcomes) <= {"200", "503", "closed"}, outcomes
-    assert all(backend["healthy"] for backend in backends_of(gateway.url))
+    assert all(backend["healthy"] and not backend["ejected"] for backend in backends_of(gateway.url))
     assert metric(gateway.url, "gateway_upstream_errors_total", kind="local") == outcomes["503"]
     assert metric(gateway.url, "gateway_upstream_errors_total", kind="connect") == 0
     assert metric(gateway.url, "gateway_requests_total", status="502") == 0
@@ -206,10 +206,13 @@ def test_huge_and_too_many_headers_are_refused_and_memory_stays_bounded(fleet: F
 
 
 def test_client_that_never_reads_is_dropped_and_the_replica_request_aborted(fleet: Fleet) -> None:
-    replica = fleet.start_replica(args=FAST_REPLICA)
+    # An answer long enough that the engine is still generating when the buffers on the way have filled
+    # (~30k tokens) and the write timeout has run out.
+    replica = fleet.start_replica(args=[*FAST_REPLICA, "--context-length", "1000000", "--kv-capacity-tokens",
+                                        "1000000"])
     gateway = fleet.start_gateway(replica.urls, args=[*FAST_GATEWAY, "--write-timeout-secs", "1"])
     host, port = gateway.url.removeprefix("http://").split(":")
-    body = json.dumps(question("tell me everything", max_tokens=100_000, stream=True)).encode()
+    body = json.dumps(question("tell me everything", max_tokens=900_000, stream=True)).encode()
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, then nothing read
         sock.connect((host, int(port)))

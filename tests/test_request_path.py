@@ -54,7 +54,7 @@ async def test_refused_connection_is_retried_on_another_backend() -> None:
         statuses = [(await harness.chat(f"question {index}"))[0] for index in range(4)]
         assert statuses == [200] * 4
         dead: Backend = harness.gateway.pool.backends[1]
-        assert not dead.healthy and len(live.received) == 4
+        assert dead.outlier.ejected and len(live.received) == 4
         harness.assert_nothing_held()
 
 
