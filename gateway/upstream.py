@@ -91,7 +91,12 @@ class UpstreamResponse:
         self.status = response.status
         self.headers: CIMultiDictProxy[str] = response.headers
         if response.connection is not None:  # from here on, the timeout is the one between chunks
-            response.connection.protocol.read_timeout = idle_timeout_s  # type: ignore[union-attr]
+            protocol = response.connection.protocol
+            protocol.read_timeout = idle_timeout_s  # type: ignore[union-attr]
+            if not response.content.is_eof():
+                # The running timer is the first-byte one, set when the headers arrived; engines send the first
+                # chunks with them, so without a restart a pause right after would be judged by it.
+                protocol.start_timeout()  # type: ignore[union-attr]
 
     @property
     def ok(self) -> bool:

@@ -10,12 +10,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from aiohttp import web
 from multidict import CIMultiDictProxy
 
 from gateway.backends import Backend
 from gateway.headers import parse_networks
 from gateway.upstream import Failure, UpstreamFailure, UpstreamResponse
-from tests.inprocess import (FakeBackend, Harness, answer_status, answer_stream, chunk, close_before_answer,
+from tests.inprocess import (Behaviour, FakeBackend, Harness, answer_status, answer_stream, chunk, close_before_answer,
                              running_gateway, silent, stream_forever, stream_then_cut)
 
 
@@ -120,6 +121,31 @@ async def test_non_streamed_answer_is_504_after_the_request_timeout() -> None:
     async with running_gateway(backend, request_timeout_s=0.2, first_byte_timeout_s=60.0) as harness:
         status, body, _ = await harness.chat()
         assert status == 504 and body["error"]["code"] == "upstream_timeout"
+        harness.assert_nothing_held()
+
+
+def stream_pausing_after(chunks: int, pause_s: float) -> Behaviour:
+    """Headers and the first chunks at once (as engines send them), a pause, then the rest."""
+    async def behaviour(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for index in range(chunks):
+            await response.write(chunk(f"part {index}"))
+        await asyncio.sleep(pause_s)
+        await response.write(chunk("after the pause"))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    return behaviour
+
+
+async def test_pause_after_the_first_chunks_is_judged_by_the_idle_timeout_not_the_first_byte_one() -> None:
+    backend = FakeBackend(default=stream_pausing_after(2, pause_s=0.6))
+    async with running_gateway(backend, first_byte_timeout_s=0.2, request_timeout_s=5.0) as harness:
+        status, body, _ = await harness.chat(stream=True)
+        assert status == 200 and sse_events(body["raw"])[-1] == "[DONE]"
+        assert not harness.gateway.pool.backends[0].outlier.ejected
         harness.assert_nothing_held()
 
 
