@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from gateway.backends import Backend, Pool
 from gateway.config import GatewayConfig
 from gateway.engines import discover_engine, discover_model, read_load, scrape_metrics
-from gateway.upstream import UpstreamClient
+from gateway.upstream import UpstreamClient, UpstreamFailure
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,11 @@ class Upkeep:
         await asyncio.gather(*(self.check(backend) for backend in self.pool.backends))
 
     async def check(self, backend: Backend) -> None:
-        ok, reason = await self._probe_health(backend)
+        try:
+            ok, reason = await self._probe_health(backend)
+        except UpstreamFailure as exc:  # the gateway's own resources ran out: no verdict on the backend
+            logger.warning("health check of %s skipped: %s", backend.url, exc.detail)
+            return
         if ok:
             await self._discover(backend)
             ok = backend.model is not None

@@ -4,6 +4,7 @@ what the backend saw, and that nothing stays held afterwards."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -72,6 +73,19 @@ async def test_gateway_out_of_descriptors_is_503_and_never_the_backend_fault() -
         assert harness.metric("gateway_requests_total", status="503") == 1  # as the client saw it
         assert harness.metric("gateway_requests_total", status="502") == 0
         harness.assert_nothing_held()
+
+
+async def test_health_check_the_gateway_could_not_open_is_no_verdict_on_the_backend() -> None:
+    async with running_gateway(FakeBackend()) as harness:
+        session = harness.gateway.client.session
+
+        def out_of_files(*args: object, **kwargs: object) -> object:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        session.get = out_of_files  # type: ignore[method-assign]
+        for _ in range(harness.gateway.config.health.failure_threshold + 2):
+            await harness.gateway.upkeep.check_all()
+        assert harness.gateway.pool.backends[0].healthy
 
 
 async def test_connection_closed_before_the_answer_is_retried() -> None:
