@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDictProxy
 
-from gateway.app import GATEWAY, Gateway, create_app
+from gateway.app import GATEWAY, GENERATION_PATHS, Gateway, create_app
 from gateway.backends import BackendSpec
 from gateway.config import GatewayConfig, HealthConfig
 from loadtest.fleet import base_url, free_port
@@ -126,7 +126,7 @@ class FakeBackend:
 
     def app(self) -> web.Application:
         app = web.Application()
-        for path in ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"):
+        for path in GENERATION_PATHS:
             app.router.add_post(path, self.generate)
 
         async def health(request: web.Request) -> web.Response:
