@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import httpx2
-import pytest
 
 from loadtest.fleet import Fleet, Process
 from tests.capture_backend import capture_backend
@@ -234,16 +233,16 @@ def sse_data(raw: bytes) -> list[str]:
 
 async def stream(url: str, max_tokens: int) -> bytes:
     """A streamed chat answer as the client received it (until the server closed the connection)."""
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url + CHAT, json=question(max_tokens=max_tokens, stream=True)) as response:
-            assert response.status == 200
-            chunks = []
-            try:
-                async for chunk in response.content.iter_any():
-                    chunks.append(chunk)
-            except aiohttp.ClientPayloadError:
-                chunks.append(b"\n<cut>")
-            return b"".join(chunks)
+    body = question(max_tokens=max_tokens, stream=True)
+    async with aiohttp.ClientSession() as session, session.post(url + CHAT, json=body) as response:
+        assert response.status == 200
+        chunks = []
+        try:
+            async for chunk in response.content.iter_any():
+                chunks.append(chunk)
+        except aiohttp.ClientPayloadError:
+            chunks.append(b"\n<cut>")
+        return b"".join(chunks)
 
 
 def test_sigterm_drains_short_streams_and_ends_long_ones_with_an_error_event(fleet: Fleet) -> None:

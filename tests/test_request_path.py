@@ -17,8 +17,19 @@ from multidict import CIMultiDictProxy
 from gateway.backends import Backend
 from gateway.headers import parse_networks
 from gateway.upstream import Failure, UpstreamFailure, UpstreamResponse
-from tests.inprocess import (Behaviour, FakeBackend, Harness, answer_status, answer_stream, chunk, close_before_answer,
-                             running_gateway, silent, stream_forever, stream_then_cut)
+from tests.inprocess import (
+    Behaviour,
+    FakeBackend,
+    Harness,
+    answer_status,
+    answer_stream,
+    chunk,
+    close_before_answer,
+    running_gateway,
+    silent,
+    stream_forever,
+    stream_then_cut,
+)
 
 
 def sse_events(text: str) -> list[str]:
@@ -299,8 +310,8 @@ async def test_deeply_nested_prompt_that_parses_is_400_or_relayed_never_500() ->
 
 async def test_lone_surrogate_in_a_rewritten_prompt_is_forwarded_as_the_client_escaped_it() -> None:
     backend = FakeBackend()
-    raw = ('{"messages": [{"role": "system", "content": "request id 3f2a9c1e-8b7d-4e6f-9a0b-1c2d3e4f5a6b '
-           '\\ud800 you are helpful"}, {"role": "user", "content": "hi"}]}').encode()
+    raw = (b'{"messages": [{"role": "system", "content": "request id 3f2a9c1e-8b7d-4e6f-9a0b-1c2d3e4f5a6b '
+           b'\\ud800 you are helpful"}, {"role": "user", "content": "hi"}]}')
     async with running_gateway(backend) as harness:
         async with harness.client.post("/v1/chat/completions", data=raw) as response:
             assert response.status == 200
@@ -338,10 +349,9 @@ async def test_unknown_route_and_method_are_refused_in_openai_shape() -> None:
 
 async def test_rejected_request_gets_an_access_log_line(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="gateway.access")
-    async with running_gateway(FakeBackend()) as harness:
-        async with harness.client.post("/v1/chat/completions", data=b"{",
-                                       headers={"x-request-id": "bad-json-1"}) as response:
-            assert response.status == 400
+    async with running_gateway(FakeBackend()) as harness, harness.client.post("/v1/chat/completions", data=b"{",
+                                   headers={"x-request-id": "bad-json-1"}) as response:
+        assert response.status == 400
     [line] = [record.getMessage() for record in caplog.records if record.name == "gateway.access"]
     assert "status=400" in line and "id=bad-json-1" in line
 
