@@ -11,7 +11,7 @@ record.
 
 The paths and how each is routed are the tables below: prompts routed by prefix (`GENERATION_PATHS`), the
 rest of what engines serve to clients relayed to the least loaded backend (`ENGINE_PATHS`), and a stored
-response's own routes sent to the backend that holds it (`STORED_RESPONSE_ROUTES`, gateway/responses.py).
+response's own routes sent to the backend that holds it (`STORED_RESPONSE_ROUTES`, gateway/api/responses.py).
 Engine admin paths (/flush_cache, /start_profile, /update_weights*, ...) are in no table: 404 here.
 
 A client that leaves cancels its handler at whatever step it is in, and every way a request ends releases its
@@ -34,25 +34,25 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from gateway.admission import Admission
-from gateway.auth import ApiKeys
-from gateway.backends import Backend, Pool
+from gateway.api.admission import Admission
+from gateway.api.auth import ApiKeys
+from gateway.fleet.backends import Backend, Pool
 from gateway.config import GatewayConfig
-from gateway.dashboard import Dashboard
+from gateway.observe.dashboard import Dashboard
 from gateway.errors import (BadRequest, ErrorShape, GatewayError, PayloadTooLarge, ShuttingDown,
                             StoredResponseUnavailable)
-from gateway.headers import HeaderPolicy, client_request_id, forwarded_headers
-from gateway.health import Upkeep
-from gateway.logs import AccessLog, flush_every
-from gateway.metrics import GatewayMetrics
-from gateway.policies import RoutingRequest
-from gateway.prompts import Endpoint, multipart_fields, parse_json, routing_text, validate_body
-from gateway.relay import Ending, Outcome, Relay, error_for
-from gateway.responses import ResponseOwners, locate, response_id_of
+from gateway.api.headers import HeaderPolicy, client_request_id, forwarded_headers
+from gateway.fleet.health import Upkeep
+from gateway.observe.logs import AccessLog, flush_every
+from gateway.observe.metrics import GatewayMetrics
+from gateway.routing.policies import RoutingRequest
+from gateway.api.prompts import Endpoint, multipart_fields, parse_json, routing_text, validate_body
+from gateway.api.relay import Ending, Outcome, Relay, error_for
+from gateway.api.responses import ResponseOwners, locate, response_id_of
 from gateway.rewrite import Rewriter, enabled_for
-from gateway.router import Placement, Router
-from gateway.shared_state import shared_state
-from gateway.upstream import UpstreamClient, UpstreamFailure, UpstreamResponse, log_ignored_proxy_environment
+from gateway.routing.router import Placement, Router
+from gateway.fleet.shared_state import shared_state
+from gateway.fleet.upstream import UpstreamClient, UpstreamFailure, UpstreamResponse, log_ignored_proxy_environment
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from gateway.config import OPTIONS, GatewayConfig, build_config, defaults, load_toml
 from gateway.errors import ConfigError
-from gateway.logs import configure_logging
+from gateway.observe.logs import configure_logging
 
 SERVE_EPILOG = """\
 Every option can also be set in the TOML file given by --config, as a top-level key spelt with underscores

@@ -18,13 +18,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gateway import validate
-from gateway.backends import BackendSpec
+from gateway.api.headers import Network, parse_networks
 from gateway.errors import ConfigError
-from gateway.headers import Network, parse_networks
-from gateway.outlier import OutlierConfig
-from gateway.policies import registry
-from gateway.rewrite_config import RewriteConfig
-from gateway.router import RoutingConfig
+from gateway.fleet.backends import BackendSpec
+from gateway.fleet.outlier import OutlierConfig
+from gateway.rewrite.config import RewriteConfig
+from gateway.routing.policies import registry
+from gateway.routing.router import RoutingConfig
 from gateway.validate import at_least, boolean, fraction, integer, number, string, strings
 
 
@@ -66,7 +66,7 @@ class GatewayConfig:
     expose_backend_urls: bool = False
     workers: int = 1
     default_model: str | None = None
-    responses_max_ids: int = 100_000  # stored-response owners remembered (gateway/responses.py)
+    responses_max_ids: int = 100_000  # stored-response owners remembered (gateway/api/responses.py)
     responses_ttl_s: float = 86_400.0
     log_level: str = "info"
     log_format: str = "text"
@@ -120,7 +120,7 @@ class LogFormat(str, Enum):
 class Option:
     key: str  # TOML key; the flag is --key-with-dashes
     # Which dataclass it fills: "" (GatewayConfig), "routing", "health", "outlier", or "policy": a knob of every
-    # policy whose config has a field of that name (gateway/policies/registry.py); --help names them.
+    # policy whose config has a field of that name (gateway/routing/policies/registry.py); --help names them.
     section: str
     field: str
     parse: Callable[[str, Any], Any]

@@ -1,6 +1,6 @@
 """`prefix-gateway demo`: the gateway in front of simulated replicas, on this machine, no GPU needed.
 
-Starts an LLM pool of simulated SGLang-compatible replicas and one embedding replica (`loadtest.replica`),
+Starts an LLM pool of simulated SGLang-compatible replicas and one embedding replica (`simulator.replica`),
 then the gateway in front of all of them, each as its own process on 127.0.0.1; prints what to paste; stops
 everything on Ctrl-C or SIGTERM.
 """
@@ -14,7 +14,7 @@ import sys
 import threading
 from types import FrameType
 
-from loadtest.fleet import FleetError, check_port_free, running_fleet
+from simulator.fleet import FleetError, check_port_free, running_fleet
 
 LLM_MODEL = "sim-llama-8b"
 EMBEDDING_MODEL = "sim-embedding"

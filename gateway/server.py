@@ -165,7 +165,7 @@ class Supervisor:
 
 
 def _worker_main(config: GatewayConfig) -> None:
-    from gateway.logs import configure_logging
+    from gateway.observe.logs import configure_logging
 
     configure_logging(config.log_level, config.log_format)
     serve_worker(config, reuse_port=True)

@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import Any
 
-from gateway.prompts import Endpoint
+from gateway.api.prompts import Endpoint
 from gateway.rewrite import RewriteConfig, Rewriter
 
 _PARAGRAPH = ("You are a careful assistant for the ACME support team. Answer in the customer's language, cite "

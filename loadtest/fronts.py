@@ -16,9 +16,18 @@ from dataclasses import dataclass
 import aiohttp
 import httpx2
 
-from loadtest.fleet import LOOPBACK, Fleet, FleetError, Process, base_url, env_without_proxies, free_port, start_process
 from loadtest.runner import sglang_router_installed
 from loadtest.wrk import CHAT_PATH
+from simulator.fleet import (
+    LOOPBACK,
+    Fleet,
+    FleetError,
+    Process,
+    base_url,
+    env_without_proxies,
+    free_port,
+    start_process,
+)
 
 DIRECT = "direct"
 SGLANG_ROUTER = "sglang-router"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from loadtest.fleet import running_fleet
+from simulator.fleet import running_fleet
 
 CHAT = "/v1/chat/completions"
 REPLICA = ["--time-scale", "0.01", "--log-level", "warning"]

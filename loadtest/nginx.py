@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from loadtest.fleet import LOOPBACK, Process, base_url, free_port, start_process
+from simulator.fleet import LOOPBACK, Process, base_url, free_port, start_process
 
 MODEL = "bench-model"
 

@@ -1,7 +1,7 @@
 """The hit rate an ideal router could reach: every request through one cache of the fleet's total capacity.
 
 The requests are replayed in the order they were sent, rendered with the replica's own chat template and
-tokenizer and cached with the replica's own cache model (`loadtest.kvcache`), so the oracle and the fleet
+tokenizer and cached with the replica's own cache model (`simulator.kvcache`), so the oracle and the fleet
 count hits the same way. One big cache is an upper bound for any placement on N caches of 1/N the size:
 nothing is duplicated across replicas and no request misses a prefix that another replica holds.
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from loadtest.kvcache import PrefixKVCache
-from loadtest.tokenizer import render_chat, tokenize
+from simulator.kvcache import PrefixKVCache
+from simulator.tokenizer import render_chat, tokenize
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.fleet import Fleet, FleetError, Process, base_url, free_port, running_fleet, start_process
 from loadtest.fronts import DEFAULT_FRONTS, Front, StreamReads, start_front, stream_reads
 from loadtest.nginx import start_nginx
 from loadtest.procstat import machine_busy_s, usage
 from loadtest.wrk import chat_bodies, lua_script, run_wrk
+from simulator.fleet import Fleet, FleetError, Process, base_url, free_port, running_fleet, start_process
 
 C1, C16, C64, STREAM = "c1", "c16", "c64", "stream"
 CONNECTIONS = {C1: 1, C16: 16, C64: 64}

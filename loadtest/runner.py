@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import httpx2
 
 from loadtest.client import DriveOptions, DriveResult, drive
-from loadtest.fleet import Fleet, running_fleet
 from loadtest.oracle import chat_request, oracle_hit_rate
 from loadtest.progress import Progress
 from loadtest.scenarios import Kind, Scenario
 from loadtest.sharing import sharing_figures
 from loadtest.stats import RunSummary, summarise
 from loadtest.workload import Conversation, RequestKind, generate, request_count
+from simulator.fleet import Fleet, running_fleet
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Seeded filler text of a given length in tokens, so workloads need no data download.
 
-The simulated replica tokenises at about 4 characters per token (`loadtest/tokenizer.py`), so a text of
+The simulated replica tokenises at about 4 characters per token (`simulator/tokenizer.py`), so a text of
 `tokens` tokens is written as `4 * tokens` characters of words from a small list. Real engines tokenise
 English at roughly the same rate, so the same scenario means about the same against a real deployment.
 """

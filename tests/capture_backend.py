@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from loadtest.fleet import base_url, free_port
+from simulator.fleet import base_url, free_port
 
 
 @dataclass

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from loadtest.fleet import Fleet, running_fleet
+from simulator.fleet import Fleet, running_fleet
 
 # Simulated engines run 100x faster than a real GPU, so a test's generations take milliseconds.
 FAST_REPLICA = ["--time-scale", "0.01", "--log-level", "warning"]

@@ -21,9 +21,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDictProxy
 
 from gateway.app import GATEWAY, GENERATION_PATHS, Gateway, create_app
-from gateway.backends import BackendSpec
 from gateway.config import GatewayConfig, HealthConfig
-from loadtest.fleet import base_url, free_port
+from gateway.fleet.backends import BackendSpec
+from simulator.fleet import base_url, free_port
 
 MODEL = "fake-model"
 Behaviour = Callable[[web.Request], Awaitable[web.StreamResponse]]

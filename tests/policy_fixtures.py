@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from gateway.backends import Backend, BackendSpec
-from gateway.hashing import block_hashes
-from gateway.policies import RoutingRequest
-from gateway.prefix_index import PrefixIndex
+from gateway.fleet.backends import Backend, BackendSpec
+from gateway.routing.hashing import block_hashes
+from gateway.routing.policies import RoutingRequest
+from gateway.routing.prefix_index import PrefixIndex
 
 BLOCK = 64
 

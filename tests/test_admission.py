@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.admission import Admission
+from gateway.api.admission import Admission
 from gateway.errors import Overloaded
 
 

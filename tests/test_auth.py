@@ -6,7 +6,7 @@ import base64
 
 import pytest
 
-from gateway.auth import ApiKeys
+from gateway.api.auth import ApiKeys
 from gateway.errors import Unauthorized
 
 

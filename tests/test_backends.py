@@ -6,15 +6,15 @@ import time
 
 import pytest
 
+from gateway.api.prompts import Endpoint
 from gateway.app import Exchange, Gateway
-from gateway.backends import Backend, BackendSpec, Pool
 from gateway.config import GatewayConfig
-from gateway.engines import Engine, EngineInfo, ModelInfo
 from gateway.errors import ModelNotFound, NoHealthyBackend
-from gateway.outlier import Outlier, OutlierConfig
-from gateway.prompts import Endpoint
-from gateway.router import Router
-from gateway.upstream import Failure, UpstreamFailure
+from gateway.fleet.backends import Backend, BackendSpec, Pool
+from gateway.fleet.engines import Engine, EngineInfo, ModelInfo
+from gateway.fleet.outlier import Outlier, OutlierConfig
+from gateway.fleet.upstream import Failure, UpstreamFailure
+from gateway.routing.router import Router
 from tests.policy_fixtures import make_backends, request, text
 
 OUTLIER = OutlierConfig(consecutive_failures=3, base_ejection_s=10.0, max_ejection_s=60.0)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.backlog import MIN_SAMPLES, PrefillBacklog
+from gateway.routing.backlog import MIN_SAMPLES, PrefillBacklog
 
 
 def taught(tokens_per_s: float) -> tuple[PrefillBacklog, float]:

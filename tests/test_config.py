@@ -7,8 +7,8 @@ import pytest
 from gateway.cli import build_parser, config_from_args
 from gateway.config import OPTIONS, build_config
 from gateway.errors import ConfigError
-from gateway.policies.cache_aware import CacheAwareConfig
-from gateway.policies.prefix_aware import PrefixAwareConfig
+from gateway.routing.policies.cache_aware import CacheAwareConfig
+from gateway.routing.policies.prefix_aware import PrefixAwareConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import httpx2
 import pytest
 
-from gateway.backends import BackendSpec, Pool
-from gateway.dashboard import HISTORY_S, MAX_SAMPLES, WINDOW_S, Dashboard
 from gateway.demo import print_banner
-from gateway.metrics import GatewayMetrics
-from loadtest.fleet import Fleet
+from gateway.fleet.backends import BackendSpec, Pool
+from gateway.observe.dashboard import HISTORY_S, MAX_SAMPLES, WINDOW_S, Dashboard
+from gateway.observe.metrics import GatewayMetrics
+from simulator.fleet import Fleet
 
 A, B = "http://127.0.0.1:30001", "http://127.0.0.1:30002"
 

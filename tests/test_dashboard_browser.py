@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from loadtest.fleet import Fleet
+from simulator.fleet import Fleet
 from tests.browser import Browser, headless_chromium, missing
 from tests.conftest import FAST_GATEWAY
 

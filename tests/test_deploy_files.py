@@ -16,7 +16,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from gateway.cli import build_parser, config_from_args, main
-from loadtest.replica import build_parser as replica_parser
+from simulator.replica import build_parser as replica_parser
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
@@ -147,7 +147,7 @@ def test_compose_gateway_and_replica_commands_use_valid_flags() -> None:
             check_gateway_command(service["command"])
             gateways += 1
         else:
-            assert entrypoint[:3] == ["python", "-m", "loadtest.replica"], name
+            assert entrypoint[:3] == ["python", "-m", "simulator.replica"], name
             replica_parser().parse_args([*entrypoint[3:], *service["command"]])
     assert gateways == 4
 

@@ -11,9 +11,9 @@ import httpx2
 import openai
 import pytest
 
+from gateway.api.prompts import Endpoint
 from gateway.app import ENGINE_PATHS
-from gateway.prompts import Endpoint
-from loadtest.fleet import Fleet, running_fleet
+from simulator.fleet import Fleet, running_fleet
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA
 
 MODEL = "sim-llama-8b"

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import httpx2
 
-from loadtest.fleet import Fleet, Process
+from simulator.fleet import Fleet, Process
 from tests.capture_backend import capture_backend
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA
 

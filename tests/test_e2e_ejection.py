@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx2
 
-from loadtest.fleet import Fleet
+from simulator.fleet import Fleet
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA
 from tests.test_e2e_failures import ask, metric
 

@@ -11,8 +11,8 @@ import httpx2
 import openai
 import pytest
 
-from gateway.backlog import MIN_SAMPLES
-from loadtest.fleet import Fleet, free_port
+from gateway.routing.backlog import MIN_SAMPLES
+from simulator.fleet import Fleet, free_port
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA
 from tests.dropping_proxy import DroppingProxy, dropping_proxy
 

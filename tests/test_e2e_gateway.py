@@ -6,7 +6,7 @@ import httpx2
 import openai
 import pytest
 
-from loadtest.fleet import Fleet
+from simulator.fleet import Fleet
 
 SYSTEM = "You are the support assistant of a bookshop. Answer politely and precisely. " * 40  # ~3,000 chars
 

@@ -8,7 +8,7 @@ import httpx2
 import openai
 import pytest
 
-from loadtest.fleet import Fleet, running_fleet
+from simulator.fleet import Fleet, running_fleet
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA
 
 

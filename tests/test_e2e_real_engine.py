@@ -9,7 +9,7 @@ import httpx2
 import openai
 import pytest
 
-from loadtest.fleet import Fleet
+from simulator.fleet import Fleet
 from tests.llama_fleet import llama_fleet
 
 pytestmark = pytest.mark.real_engine

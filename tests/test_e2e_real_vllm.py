@@ -19,7 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.fleet import Fleet
+from simulator.fleet import Fleet
 from tests.vllm_fleet import MODEL_ID, VllmServer, vllm_fleet
 
 pytestmark = pytest.mark.real_engine

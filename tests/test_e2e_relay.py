@@ -7,7 +7,7 @@ import os
 
 import httpx2
 
-from loadtest.fleet import Fleet
+from simulator.fleet import Fleet
 from tests.capture_backend import capture_backend
 
 

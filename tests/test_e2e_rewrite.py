@@ -7,7 +7,7 @@ import uuid
 
 import httpx2
 
-from loadtest.fleet import Fleet
+from simulator.fleet import Fleet
 from tests.capture_backend import capture_backend
 from tests.conftest import FAST_GATEWAY
 

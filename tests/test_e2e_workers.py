@@ -8,7 +8,7 @@ import signal
 import httpx2
 import pytest
 
-from loadtest.fleet import Fleet, redis_installed
+from simulator.fleet import Fleet, redis_installed
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA
 from tests.test_e2e_shared_state import SYSTEM, chat
 

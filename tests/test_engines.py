@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.engines import (
+from gateway.fleet.engines import (
     ADAPTERS,
     Engine,
     EngineInfo,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.backends import BackendSpec, Pool
 from gateway.errors import BadRequest
-from loadtest.fleet import LOOPBACK, Fleet, FleetError, Process, check_port_free
+from gateway.fleet.backends import BackendSpec, Pool
+from simulator.fleet import LOOPBACK, Fleet, FleetError, Process, check_port_free
 
 
 @pytest.fixture

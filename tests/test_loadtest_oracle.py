@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loadtest.oracle import OracleRequest, chat_request, oracle_hit_rate
-from loadtest.tokenizer import render_chat
+from simulator.tokenizer import render_chat
 
 
 def text(tokens: int, char: str) -> str:

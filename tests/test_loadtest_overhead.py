@@ -16,13 +16,13 @@ from aiohttp.test_utils import TestServer
 
 from loadtest import __main__ as loadtest_main
 from loadtest import procstat
-from loadtest.fleet import running_fleet
 from loadtest.fronts import DIRECT, GATEWAY_PREFIX_AWARE, SGLANG_ROUTER, SMG, StreamReads, front_names, read_streams
 from loadtest.nginx import COMPLETION, MODEL, nginx_config, nginx_installed, start_nginx
 from loadtest.overhead import C1, C16, C64, STREAM, CpuClock, FrontResult, Point, median_point
 from loadtest.overhead_report import overhead_rows, target_lines
 from loadtest.sse_backend import create_app, stream_events
 from loadtest.wrk import WrkError, chat_bodies, lua_script, parse_output, run_wrk, wrk_installed
+from simulator.fleet import running_fleet
 
 needs_nginx = pytest.mark.skipif(not nginx_installed(), reason="needs nginx (apt-get install nginx-light)")
 needs_wrk = pytest.mark.skipif(not wrk_installed(), reason="needs wrk (apt-get install wrk)")

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from loadtest.__main__ import main
-from loadtest.fleet import redis_installed
 from loadtest.runner import Instances, Traffic, run_policies, sglang_router_installed
 from loadtest.scenarios import FleetSpec, Kind, LoadRates, Scenario, Slo, Workload
+from simulator.fleet import redis_installed
 
 
 def tiny_scenario(kind: Kind = Kind.SHARED_PREFIX) -> Scenario:
@@ -87,8 +87,8 @@ def test_cli_run_writes_results_report_and_plots(tmp_path: Path, capsys: pytest.
 
 
 def test_target_mode_drives_a_running_endpoint_and_reads_its_cached_tokens() -> None:
-    from loadtest.fleet import running_fleet
     from loadtest.runner import run_target
+    from simulator.fleet import running_fleet
 
     with running_fleet() as fleet:
         replica = fleet.start_replica(args=["--model", "served-model", "--time-scale", "0"])
@@ -111,7 +111,7 @@ def test_mixed_models_route_embeddings_to_the_embedding_pool() -> None:
 
 
 def test_a_clean_run_removes_its_logs_and_a_failed_one_keeps_them() -> None:
-    from loadtest.fleet import running_fleet
+    from simulator.fleet import running_fleet
 
     with running_fleet() as fleet:
         clean = Path(fleet.start_replica(args=["--time-scale", "0"]).log_path)

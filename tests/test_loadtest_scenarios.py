@@ -10,8 +10,8 @@ import pytest
 
 from loadtest.scenarios import Kind, Popularity, Workload, list_scenarios, load_scenario, parse_scenario
 from loadtest.textgen import draw_length, words_text
-from loadtest.tokenizer import count_tokens
 from loadtest.workload import RequestKind, generate, request_count, working_set_tokens
+from simulator.tokenizer import count_tokens
 
 
 def shared(**fields: object) -> Workload:

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx2
 import pytest
 
-from gateway.logs import JsonFormatter, configure_logging
-from loadtest.fleet import Fleet
+from gateway.observe.logs import JsonFormatter, configure_logging
+from simulator.fleet import Fleet
 from tests.conftest import FAST_REPLICA
 
 
@@ -66,8 +66,8 @@ def test_text_format_is_unchanged(root_logger: logging.Logger, capsys: pytest.Ca
 def test_json_format_writes_one_object_per_line(root_logger: logging.Logger,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     configure_logging("warning", "json")
-    logging.getLogger("gateway.health").info("not shown")
-    logging.getLogger("gateway.health").warning("backend %s down", "b1", extra={"backend": "b1"})
+    logging.getLogger("gateway.fleet.health").info("not shown")
+    logging.getLogger("gateway.fleet.health").warning("backend %s down", "b1", extra={"backend": "b1"})
     lines = capsys.readouterr().err.splitlines()
     assert [json.loads(line)["message"] for line in lines] == ["backend b1 down"]
     assert json.loads(lines[0])["backend"] == "b1"

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.backends import BackendSpec, Pool
-from gateway.metrics import GatewayMetrics
+from gateway.fleet.backends import BackendSpec, Pool
+from gateway.observe.metrics import GatewayMetrics
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "prefix-gateway.json"

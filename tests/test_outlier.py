@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.outlier import Outlier, OutlierConfig, OutlierState
+from gateway.fleet.outlier import Outlier, OutlierConfig, OutlierState
 
 CONFIG = OutlierConfig(consecutive_failures=3, base_ejection_s=10.0, max_ejection_s=60.0)
 

@@ -1,8 +1,8 @@
-from gateway.backends import Pool
-from gateway.policies import PolicyConfig, Route
-from gateway.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin, SeededConfig
-from gateway.policies.cache_aware import CacheAware, CacheAwareConfig
-from gateway.router import Router, RoutingConfig
+from gateway.fleet.backends import Pool
+from gateway.routing.policies import PolicyConfig, Route
+from gateway.routing.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin, SeededConfig
+from gateway.routing.policies.cache_aware import CacheAware, CacheAwareConfig
+from gateway.routing.router import Router, RoutingConfig
 from tests.policy_fixtures import make_backends, request, text
 
 

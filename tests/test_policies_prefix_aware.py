@@ -4,10 +4,10 @@ import time
 
 import pytest
 
-from gateway.backends import Backend, LoadSignals
-from gateway.policies import Route
-from gateway.policies.prefix_aware import PrefixAware, PrefixAwareConfig
-from gateway.router import Placement
+from gateway.fleet.backends import Backend, LoadSignals
+from gateway.routing.policies import Route
+from gateway.routing.policies.prefix_aware import PrefixAware, PrefixAwareConfig
+from gateway.routing.router import Placement
 from tests.policy_fixtures import make_backends, request, text
 
 SYSTEM = text("shared system prompt", 4000)

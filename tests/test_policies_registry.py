@@ -7,10 +7,10 @@ import sys
 import pytest
 
 from gateway.config import OPTIONS, build_config
-from gateway.policies import registry
-from gateway.policies.cache_aware import CacheAwareConfig
-from gateway.policies.prefix_aware import PrefixAwareConfig
-from gateway.router import RoutingConfig
+from gateway.routing.policies import registry
+from gateway.routing.policies.cache_aware import CacheAwareConfig
+from gateway.routing.policies.prefix_aware import PrefixAwareConfig
+from gateway.routing.router import RoutingConfig
 from tests.policy_fixtures import make_backends, request, text
 
 

@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from gateway.hashing import block_hashes
-from gateway.prefix_index import PrefixIndex
+from gateway.routing.hashing import block_hashes
+from gateway.routing.prefix_index import PrefixIndex
 
 
 def test_shared_prefix_matches_exactly_its_length_in_blocks() -> None:

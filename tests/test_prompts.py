@@ -1,4 +1,4 @@
-from gateway.prompts import Endpoint, multipart_fields, render_chat, routing_text, validate_body
+from gateway.api.prompts import Endpoint, multipart_fields, render_chat, routing_text, validate_body
 
 
 def test_chat_rendering_of_a_turn_is_a_prefix_of_the_next_turn() -> None:

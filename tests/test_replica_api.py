@@ -10,7 +10,7 @@ import httpx2
 import openai
 import pytest
 
-from loadtest.fleet import Fleet, Process, base_url, free_port, start_process
+from simulator.fleet import Fleet, Process, base_url, free_port, start_process
 
 MakeClient = Callable[[str], openai.OpenAI]
 FAST = ["--time-scale", "0.001"]
@@ -36,7 +36,7 @@ def replicas(fleet: Fleet) -> Process:
 def embedder(fleet: Fleet) -> Process:
     # Unhealthy from the start: ready is judged by /v1/models, the probes must say 503.
     port = free_port()
-    argv = [sys.executable, "-m", "loadtest.replica", "--port", str(port), "--embedding", *FAST,
+    argv = [sys.executable, "-m", "simulator.replica", "--port", str(port), "--embedding", *FAST,
             "--model", "sim-embed", "--embedding-dim", "64", "--unhealthy-for-s", "600"]
     process = start_process("embedder", argv, [base_url(port)], ready_path="/v1/models", timeout_s=30)
     fleet.processes.append(process)
@@ -264,7 +264,7 @@ def test_latency_fault_delays_the_response(faulty: str, http: httpx2.Client) -> 
 def test_help_documents_every_flag() -> None:
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "loadtest.replica", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "simulator.replica", "--help"], capture_output=True, text=True,
                          timeout=30, check=True).stdout
     out = " ".join(out.split())  # argparse wraps lines at the terminal width
     for flag in ("--port ", "--ports", "--host", "--model", "--kv-capacity-tokens", "--time-scale",

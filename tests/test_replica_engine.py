@@ -8,8 +8,8 @@ from typing import TypeVar
 
 import pytest
 
-from loadtest.engine import Engine, EngineConfig, Generation, RequestTooLarge
-from loadtest.tokenizer import tokenize
+from simulator.engine import Engine, EngineConfig, Generation, RequestTooLarge
+from simulator.tokenizer import tokenize
 
 T = TypeVar("T")
 

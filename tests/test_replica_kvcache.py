@@ -9,8 +9,8 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadtest.kvcache import PrefixKVCache, _Block
-from loadtest.tokenizer import GENERATION_PROMPT, count_tokens, render_chat, tokenize
+from simulator.kvcache import PrefixKVCache, _Block
+from simulator.tokenizer import GENERATION_PROMPT, count_tokens, render_chat, tokenize
 
 B = 4  # small blocks keep the examples readable
 
@@ -149,7 +149,7 @@ def test_tokenize_is_four_characters_per_token_and_stable_across_processes() -> 
     assert len(tokens) == count_tokens(text) == -(-len(text) // 4)
     assert tokenize(text[:20]) == tokens[:5]
     other = subprocess.run(
-        [sys.executable, "-c", f"from loadtest.tokenizer import tokenize; print(tokenize({text!r}))"],
+        [sys.executable, "-c", f"from simulator.tokenizer import tokenize; print(tokenize({text!r}))"],
         capture_output=True, text=True, check=True, timeout=30)
     assert other.stdout.strip() == str(tokens)
 

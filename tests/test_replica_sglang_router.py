@@ -18,7 +18,7 @@ import httpx2
 import openai
 import pytest
 
-from loadtest.fleet import Fleet, Process
+from simulator.fleet import Fleet, Process
 
 pytestmark = [
     pytest.mark.peer,

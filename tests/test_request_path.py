@@ -14,9 +14,9 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
-from gateway.backends import Backend
-from gateway.headers import parse_networks
-from gateway.upstream import Failure, UpstreamFailure, UpstreamResponse
+from gateway.api.headers import parse_networks
+from gateway.fleet.backends import Backend
+from gateway.fleet.upstream import Failure, UpstreamFailure, UpstreamResponse
 from tests.inprocess import (
     Behaviour,
     FakeBackend,

@@ -1,8 +1,8 @@
 """The map of stored responses to the backends that hold them: bounded, aged, forgettable."""
 
-from gateway.backends import Backend, BackendSpec
-from gateway.prefix_index import PrefixIndex
-from gateway.responses import ResponseOwners, response_id_of
+from gateway.api.responses import ResponseOwners, response_id_of
+from gateway.fleet.backends import Backend, BackendSpec
+from gateway.routing.prefix_index import PrefixIndex
 
 
 def backend(url: str) -> Backend:

@@ -4,8 +4,8 @@ from typing import Any
 
 import pytest
 
+from gateway.api.prompts import Endpoint
 from gateway.errors import BadRequest, ConfigError
-from gateway.prompts import Endpoint
 from gateway.rewrite import BUILTIN_RULE_NAMES, MARKER, Action, RewriteConfig, Rewriter, RuleSpec, enabled_for
 
 UUID = "8f1c2d3e-4b5a-4c6d-9e8f-0a1b2c3d4e5f"

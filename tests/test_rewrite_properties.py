@@ -1,6 +1,6 @@
 """Invariants of the rewriter over generated prompts: never corrupts, idempotent, loses nothing, turn-stable.
 
-The label (see gateway/rewrite.py) is the marker line plus whitespace, so "move loses no characters" is stated
+The label (see gateway/rewrite/__init__.py) is the marker line plus whitespace, so "move loses no characters" is stated
 as: the multiset of non-whitespace characters of the prompt text is the same after a rewrite once the
 marker's characters are taken out (removal only ever drops whitespace beside a span).
 """
@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.prompts import Endpoint
+from gateway.api.prompts import Endpoint
 from gateway.rewrite import MARKER, Action, RewriteConfig, Rewriter
 
 SETTINGS = settings(max_examples=150, deadline=None)

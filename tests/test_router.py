@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
+from gateway.api.prompts import Endpoint
+from gateway.api.relay import Outcome
 from gateway.app import Exchange, Gateway
-from gateway.backends import BackendSpec, Pool
 from gateway.config import GatewayConfig
-from gateway.prompts import Endpoint
-from gateway.relay import Outcome
-from gateway.router import MAX_RECORD_SHARE, Router
+from gateway.fleet.backends import BackendSpec, Pool
+from gateway.routing.router import MAX_RECORD_SHARE, Router
 from tests.policy_fixtures import text
 
 SYSTEM = text("You are a helpful assistant.", 1000)

@@ -10,12 +10,8 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from gateway.backends import Backend, BackendSpec, Pool, RemoteLoad
-from gateway.policies import PolicyConfig
-from gateway.policies.basic import LeastLoad
-from gateway.prefix_index import PrefixIndex
-from gateway.router import Router, RoutingConfig
-from gateway.shared_state import (
+from gateway.fleet.backends import Backend, BackendSpec, Pool, RemoteLoad
+from gateway.fleet.shared_state import (
     CORRECTED,
     DOWN,
     DOWN_VERDICT_MAX_AGE_S,
@@ -28,7 +24,11 @@ from gateway.shared_state import (
     encode_load,
     encode_update,
 )
-from loadtest.fleet import free_port
+from gateway.routing.policies import PolicyConfig
+from gateway.routing.policies.basic import LeastLoad
+from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.router import Router, RoutingConfig
+from simulator.fleet import free_port
 from tests.policy_fixtures import make_backends, request, text
 
 

@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_gateway_and_loadtest_type_check() -> None:
     report, errors, status = api.run(["--config-file", str(ROOT / "pyproject.toml"),
                                       "--cache-dir", str(ROOT / ".mypy_cache"),
-                                      str(ROOT / "gateway"), str(ROOT / "loadtest")])
+                                      str(ROOT / "gateway"), str(ROOT / "simulator"), str(ROOT / "loadtest")])
     assert status == 0, report + errors
 
 
 def test_gateway_loadtest_and_tests_pass_the_linter() -> None:
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "gateway", "loadtest", "tests"],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "gateway", "simulator", "loadtest",
+                             "tests"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

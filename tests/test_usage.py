@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.responses import response_id_of
-from gateway.usage import Usage, UsageTap, usage_from
+from gateway.api.responses import response_id_of
+from gateway.api.usage import Usage, UsageTap, usage_from
 
 
 def sse(*events: object) -> bytes:

@@ -2,7 +2,7 @@
 
 A request ID at the top of a system prompt makes every prompt unique from its first tokens: the engine reports
 ``cached_tokens: 0`` and a prefix router loses affinity. SGLang's advice is "move the ID to the end or remove
-it"; this step does that before routing. The rules themselves are in `gateway/rewrite_rules.py`.
+it"; this step does that before routing. The rules themselves are in `gateway/rewrite/rules.py`.
 
 What is searched (the *head*): in a chat, the system and developer messages and the first user message, up to
 and including that first user message (``content`` as a string, or the ``text`` of ``{"type": "text"}``
@@ -47,7 +47,7 @@ Examples (``move``; the id_line rule takes the whole ``key: value``, so no dangl
 In a chat the head does not change from turn to turn, so the rewritten messages before the last one are the
 same on every turn: turn k's rewritten prompt, up to its last message, is a prefix of turn k+1's.
 
-Config: the ``[rewrite]`` table (`gateway/rewrite_config.py`). A request opts out with the header
+Config: the ``[rewrite]`` table (`gateway/rewrite/config.py`). A request opts out with the header
 ``x-gateway-rewrite: off`` (see `enabled_for`).
 """
 
@@ -57,10 +57,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.api.prompts import Endpoint
 from gateway.errors import BadRequest
-from gateway.prompts import Endpoint
-from gateway.rewrite_config import RewriteConfig
-from gateway.rewrite_rules import (
+from gateway.rewrite.config import RewriteConfig
+from gateway.rewrite.rules import (
     BUILTIN_RULE_NAMES,
     BUILTINS,
     MARKER,

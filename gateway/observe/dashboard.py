@@ -1,6 +1,6 @@
 """The live page at `/dashboard` and the JSON it polls, `/dashboard/data`.
 
-The page (`gateway/static/dashboard.html`, one file with inline CSS and JS, no build step, nothing fetched from
+The page (`gateway/observe/static/dashboard.html`, one file with inline CSS and JS, no build step, nothing fetched from
 elsewhere) asks for `/dashboard/data` every second. Each answer is a snapshot of the pool (`Backend.describe()`)
 plus a short history: every poll at least `SAMPLE_INTERVAL_S` after the last one records a sample of each
 backend's gauges and cumulative counters in a ring buffer bounded by `HISTORY_S`. Sampling on poll needs no
@@ -21,9 +21,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import Counter
 
-from gateway.backends import Pool
 from gateway.errors import BadRequest
-from gateway.metrics import GatewayMetrics
+from gateway.fleet.backends import Pool
+from gateway.observe.metrics import GatewayMetrics
 
 SAMPLE_INTERVAL_S = 0.9  # a little under the page's 1 s poll, so a late poll still samples
 HISTORY_S = 300.0  # what the charts show: "the last minutes"
@@ -111,7 +111,7 @@ class Dashboard:
         self.metrics = metrics
         self.policy = policy
         self.samples: collections.deque[Sample] = collections.deque(maxlen=MAX_SAMPLES)
-        self.html = resources.files("gateway").joinpath("static/dashboard.html").read_text(encoding="utf-8")
+        self.html = resources.files("gateway.observe").joinpath("static/dashboard.html").read_text(encoding="utf-8")
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/dashboard", self.page), web.get("/dashboard/data", self.data)]

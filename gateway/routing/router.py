@@ -12,11 +12,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gateway.backends import Backend, Pool
-from gateway.hashing import block_hashes
-from gateway.policies import Decision, PolicyConfig, Route, RoutingRequest
-from gateway.policies.basic import least_loaded
-from gateway.policies.registry import DEFAULT_POLICY, default_config, make_policy
+from gateway.fleet.backends import Backend, Pool
+from gateway.routing.hashing import block_hashes
+from gateway.routing.policies import Decision, PolicyConfig, Route, RoutingRequest
+from gateway.routing.policies.basic import least_loaded
+from gateway.routing.policies.registry import DEFAULT_POLICY, default_config, make_policy
 
 # A backend reporting less than this share of the predicted cached tokens has evicted that prefix.
 EVICTION_EVIDENCE_RATIO = 0.5

@@ -36,7 +36,7 @@ Defaults model Llama-3.1-8B-Instruct in bf16 on one H100 SXM 80 GB (989 TFLOP/s 
 - `decode_per_context_token_s` 52 ns: reading one token's 128 KiB of KV at ~2.5 TB/s; a batch of 64 requests
   with 2k tokens of context adds ~6.7 ms, so a step takes ~15 ms -- decode slows as the batch grows.
 - `chunked_prefill_tokens` 8192: SGLang's default chunked-prefill size on 80 GB GPUs.
-- `max_running_requests` 256 and `kv_capacity_tokens` 400,000: see `loadtest/replica.py`, where they are set.
+- `max_running_requests` 256 and `kv_capacity_tokens` 400,000: see `simulator/replica.py`, where they are set.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from loadtest.kvcache import LockedPrefix, PrefixKVCache
-from loadtest.tokenizer import tokenize
+from simulator.kvcache import LockedPrefix, PrefixKVCache
+from simulator.tokenizer import tokenize
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The rules that find volatile spans in prompt text, and the text surgery that takes them out.
 
-This module works on plain strings; `gateway/rewrite.py` decides which strings of a request body are searched
+This module works on plain strings; `gateway/rewrite/__init__.py` decides which strings of a request body are searched
 and where the moved spans go.
 
 Built-in rules, in priority order (when two rules could match at the same place, the earlier one wins; user
@@ -304,7 +304,7 @@ def _reach_back(text: str, gate: int, floor: int) -> int:
     return start
 
 
-# The trailer that carries moved spans; its format is documented in gateway/rewrite.py.
+# The trailer that carries moved spans; its format is documented in gateway/rewrite/__init__.py.
 MARKER = "[prefix-gateway: moved from prompt start]"
 _TRAILER_START = "\n\n" + MARKER + "\n"
 

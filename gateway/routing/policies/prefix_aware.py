@@ -16,7 +16,7 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   needs.
 - `queued_prefill(b)`: uncached prompt tokens of requests sent to `b` that have not produced a first byte yet
   (reserved at decision time, so a burst sees its own placements), less the progress `b` has probably made on
-  the oldest of them at the prefill rate it has shown (`gateway/backlog.py`): in a burst that keeps every
+  the oldest of them at the prefill rate it has shown (`gateway/routing/backlog.py`): in a burst that keeps every
   backend busy, a newcomer joins the one about to be free. When `b`'s own `/metrics` are fresher than
   `metrics_max_age_s` and its queue was longer than what we had sent when they were read (traffic from
   elsewhere), each extra request counts as much as ours do on average. For non-streamed requests the first byte
@@ -66,8 +66,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.backends import Backend
-from gateway.policies import Decision, PolicyConfig, Route, RoutingRequest
+from gateway.fleet.backends import Backend
+from gateway.routing.policies import Decision, PolicyConfig, Route, RoutingRequest
 
 
 @dataclass(frozen=True)

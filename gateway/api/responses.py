@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import quote
 
-from gateway.backends import Backend
-from gateway.upstream import UpstreamClient, UpstreamFailure
+from gateway.fleet.backends import Backend
+from gateway.fleet.upstream import UpstreamClient, UpstreamFailure
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from gateway.backends import Backend, Pool
 from gateway.config import GatewayConfig
-from gateway.engines import discover_engine, discover_model, read_load, scrape_metrics
-from gateway.upstream import UpstreamClient, UpstreamFailure
+from gateway.fleet.backends import Backend, Pool
+from gateway.fleet.engines import discover_engine, discover_model, read_load, scrape_metrics
+from gateway.fleet.upstream import UpstreamClient, UpstreamFailure
 
 logger = logging.getLogger(__name__)
 

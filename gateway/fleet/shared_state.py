@@ -43,7 +43,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from gateway.backends import Backend, Pool, RemoteLoad
+from gateway.fleet.backends import Backend, Pool, RemoteLoad
 
 logger = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from loadtest.engine import Generation
-from loadtest.faults import DroppingEventStream
-from loadtest.replica_requests import ApiError, Prompt, body_field, json_body, max_tokens, read_prompts
-from loadtest.tokenizer import CHARS_PER_TOKEN, content_text, render_chat, tokenize
+from simulator.engine import Generation
+from simulator.faults import DroppingEventStream
+from simulator.replica_requests import ApiError, Prompt, body_field, json_body, max_tokens, read_prompts
+from simulator.tokenizer import CHARS_PER_TOKEN, content_text, render_chat, tokenize
 
 if TYPE_CHECKING:
-    from loadtest.replica import _Replica
+    from simulator.replica import _Replica
 
 MAX_STORED_RESPONSES = 10_000
 MAX_VOCABULARY = 200_000

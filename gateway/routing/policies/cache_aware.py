@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.backends import Backend
-from gateway.policies import Decision, PolicyConfig, Route, RoutingRequest
+from gateway.fleet.backends import Backend
+from gateway.routing.policies import Decision, PolicyConfig, Route, RoutingRequest
 
 
 @dataclass(frozen=True)

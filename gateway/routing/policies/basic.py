@@ -9,8 +9,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.backends import Backend
-from gateway.policies import Decision, PolicyConfig, Route, RoutingRequest
+from gateway.fleet.backends import Backend
+from gateway.routing.policies import Decision, PolicyConfig, Route, RoutingRequest
 
 
 @dataclass(frozen=True)

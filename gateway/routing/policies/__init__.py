@@ -6,7 +6,7 @@ the router reserves load and records the prompt in the chosen backend's index ri
 concurrent requests see each other's placement.
 
 One module per policy family; each policy takes its own frozen config dataclass (its knobs, with their defaults)
-and is listed once, by name, in `gateway/policies/registry.py`.
+and is listed once, by name, in `gateway/routing/policies/registry.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from gateway.backends import Backend
+from gateway.fleet.backends import Backend
 
 
 class Route(str, Enum):
@@ -29,7 +29,7 @@ class Route(str, Enum):
     ROUND_ROBIN = "round-robin"
     RANDOM = "random"
     POWER_OF_TWO = "power-of-two"
-    OWNER = "owner"                  # it holds the stored response the request continues (gateway/responses.py)
+    OWNER = "owner"                  # it holds the stored response the request continues (gateway/api/responses.py)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from gateway.upstream import Failure
+from gateway.fleet.upstream import Failure
 
 # The statuses of a backend that failed, as Envoy's gateway failures and 500. 501, 505 and the rest mean the
 # request asked for something unsupported: like 4xx, the client's business.

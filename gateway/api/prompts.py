@@ -87,7 +87,7 @@ def render_responses(body: dict[str, Any]) -> str:
     that starts with a string and resends the conversation as items next turn keeps its prefix. Items without a
     role (function calls and their outputs, reasoning) render as their JSON, which the client resends unchanged.
     With `previous_response_id` the engine prepends a history the gateway does not see; that request goes to
-    the response's owner anyway (gateway/responses.py), so its text only has to be stable.
+    the response's owner anyway (gateway/api/responses.py), so its text only has to be stable.
     """
     value = body.get("input")
     items: list[Any] = [{"role": "user", "content": value}] if isinstance(value, str) else (

@@ -1,4 +1,4 @@
-"""The ``[rewrite]`` table of the config file: what `gateway/rewrite.py` moves, strips or keeps, and where.
+"""The ``[rewrite]`` table of the config file: what `gateway/rewrite/__init__.py` moves, strips or keeps, and where.
 
 Every key is optional; unknown keys, wrong types, unknown rule names, bad actions and bad regexes are errors
 that name the key and the value:
@@ -28,7 +28,7 @@ from typing import Any
 
 from gateway import validate
 from gateway.errors import ConfigError
-from gateway.rewrite_rules import BUILTIN_RULE_NAMES, Action, RuleSpec, embeddable
+from gateway.rewrite.rules import BUILTIN_RULE_NAMES, Action, RuleSpec, embeddable
 from gateway.validate import at_least, boolean, integer, string, string_list
 
 _RULE_NAME = re.compile(r"[A-Za-z0-9_.-]+")

@@ -3,7 +3,7 @@ of its metrics mean queue, running and KV usage.
 
 Everything else (the OpenAI endpoints, `/health`, SSE framing) is the same across SGLang, vLLM and llama.cpp's
 server, so the rest of the gateway never asks which engine it talks to. Token usage is read by
-`gateway/usage.py` whatever the engine: every answer carries its own shape (`usage`, `meta_info`, `timings`).
+`gateway/api/usage.py` whatever the engine: every answer carries its own shape (`usage`, `meta_info`, `timings`).
 
 One adapter per engine, each with `detect` (is this that engine, and how many tokens does its KV cache hold?),
 `served_model` (the model, for servers whose `/v1/models` says nothing) and `load` (its load metric names).

@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.backlog import PendingPrefill, PrefillBacklog
-from gateway.engines import Engine, EngineInfo, ModelInfo
 from gateway.errors import BadRequest, ModelNotFound, NoHealthyBackend
-from gateway.outlier import FAILED_STATUSES, Ejection, Outlier, OutlierConfig
-from gateway.prefix_index import PrefixIndex
-from gateway.upstream import Failure
+from gateway.fleet.engines import Engine, EngineInfo, ModelInfo
+from gateway.fleet.outlier import FAILED_STATUSES, Ejection, Outlier, OutlierConfig
+from gateway.fleet.upstream import Failure
+from gateway.routing.backlog import PendingPrefill, PrefillBacklog
+from gateway.routing.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 

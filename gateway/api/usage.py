@@ -13,7 +13,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.prompts import parse_json
+from gateway.api.prompts import parse_json
 
 _USAGE_MARKERS = (b'"usage"', b'"meta_info"', b'"timings"')
 

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from gateway.policies import Policy, PolicyConfig
-from gateway.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin, SeededConfig
-from gateway.policies.cache_aware import CacheAware, CacheAwareConfig
-from gateway.policies.prefix_aware import PrefixAware, PrefixAwareConfig
+from gateway.routing.policies import Policy, PolicyConfig
+from gateway.routing.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin, SeededConfig
+from gateway.routing.policies.cache_aware import CacheAware, CacheAwareConfig
+from gateway.routing.policies.prefix_aware import PrefixAware, PrefixAwareConfig
 
 C = TypeVar("C", bound=PolicyConfig)
 C_contra = TypeVar("C_contra", bound=PolicyConfig, contravariant=True)

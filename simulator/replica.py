@@ -1,12 +1,12 @@
-"""A simulated SGLang-compatible engine replica: the HTTP surface of `sglang serve`, backed by `loadtest.engine`.
+"""A simulated SGLang-compatible engine replica: the HTTP surface of `sglang serve`, backed by `simulator.engine`.
 
 It answers what gateways and sglang-router touch: the OpenAI endpoints (Responses with its store included),
-Anthropic's Messages, tokenize and rerank (`loadtest/replica_apis.py`), SGLang's native `/generate`, the
+Anthropic's Messages, tokenize and rerank (`simulator/replica_apis.py`), SGLang's native `/generate`, the
 probes and info endpoints a router reads at registration (`/health`, `/server_info`, `/model_info`),
 `/get_load`, `/flush_cache` and Prometheus `/metrics`, plus `/control/faults` for fault injection. Every
 response carries `x-replica-id` (host:port) so a test can tell which replica served it.
 
-Run one replica with `python -m loadtest.replica --port 30001`, a fleet from one process with
+Run one replica with `python -m simulator.replica --port 30001`, a fleet from one process with
 `--ports 30001,30002,...` (one uvicorn server per port in one event loop, so a fleet costs one core).
 
 Why the defaults:
@@ -44,10 +44,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from loadtest.engine import Engine, EngineConfig, Generation, RequestTooLarge, embedding_vector
-from loadtest.faults import DroppingEventStream, Faults, FaultSettings
-from loadtest.replica_apis import AgentApis
-from loadtest.replica_requests import (
+from simulator.engine import Engine, EngineConfig, Generation, RequestTooLarge, embedding_vector
+from simulator.faults import DroppingEventStream, Faults, FaultSettings
+from simulator.replica_apis import AgentApis
+from simulator.replica_requests import (
     ApiError,
     Prompt,
     ReplicaIdHeader,
@@ -59,7 +59,7 @@ from loadtest.replica_requests import (
     sse,
     usage_of,
 )
-from loadtest.tokenizer import render_chat, tokenize
+from simulator.tokenizer import render_chat, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -438,7 +438,7 @@ def _ports(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     defaults, faults = EngineConfig(), FaultSettings()
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.replica", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m simulator.replica", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="A simulated SGLang-compatible engine replica (Llama-3.1-8B on one H100, by default).")
     add = p.add_argument
     add("--host", default="127.0.0.1", help="address to listen on")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx2
 
-from gateway.upstream import PROXY_VARIABLES
+from gateway.fleet.upstream import PROXY_VARIABLES
 
 LOOPBACK = "127.0.0.1"
 
@@ -196,7 +196,7 @@ class Fleet:
     def start_replicas(self, count: int, *, args: Sequence[str] = (), name: str = "replicas") -> Process:
         """`count` simulated replicas served from one process (cheap on 2 cores); returns it with its URLs."""
         ports = [free_port() for _ in range(count)]
-        argv = [sys.executable, "-m", "loadtest.replica", "--ports", ",".join(map(str, ports)), *args]
+        argv = [sys.executable, "-m", "simulator.replica", "--ports", ",".join(map(str, ports)), *args]
         process = start_process(name, argv, [base_url(port) for port in ports], ready_path="/health")
         self.processes.append(process)
         return process

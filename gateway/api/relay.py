@@ -21,10 +21,10 @@ from enum import Enum
 
 from aiohttp import web
 
+from gateway.api.headers import relayed_headers
+from gateway.api.usage import Usage, UsageTap
 from gateway.errors import ErrorShape, GatewayError, GatewayOverloaded, ShuttingDown, UpstreamError, UpstreamTimeout
-from gateway.headers import relayed_headers
-from gateway.upstream import Failure, UpstreamFailure, UpstreamResponse
-from gateway.usage import Usage, UsageTap
+from gateway.fleet.upstream import Failure, UpstreamFailure, UpstreamResponse
 
 logger = logging.getLogger(__name__)
 

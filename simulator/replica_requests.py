@@ -2,7 +2,7 @@
 its Messages API), prompt fields (text or token ids), SSE lines, usage with cached tokens, and the
 `x-replica-id` header on every response.
 
-Kept apart from the handlers in `loadtest/replica.py` so each reads as what it does with a request, not how.
+Kept apart from the handlers in `simulator/replica.py` so each reads as what it does with a request, not how.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loadtest.engine import Generation
-from loadtest.tokenizer import tokenize
+from simulator.engine import Generation
+from simulator.tokenizer import tokenize
 
 DEFAULT_MAX_TOKENS = 16
 

@@ -1,0 +1,1 @@
+"""What operators see: metrics, logs, the dashboard."""
