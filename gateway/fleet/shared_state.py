@@ -196,6 +196,7 @@ class SharedState:
         self._sequence = 0
         self._peers: dict[bytes, _Peer] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
         self._forget: list[str] = []  # load fields of stopped instances, deleted at the next flush
         self.warmed_updates: int | None = None  # None until the stream was replayed
         self.last_delay_s: float | None = None
@@ -242,9 +243,13 @@ class SharedState:
         self._tasks = [asyncio.create_task(self._flush_loop()), asyncio.create_task(self._read_loop())]
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            # redis-py may turn the cancellation of a blocked read into a connection error, which the loops retry:
+            # they end at their next turn instead (`_stopping`), within one read's timeout.
+            await asyncio.wait(self._tasks, timeout=COMMAND_TIMEOUT_S + READ_BLOCK_MS / 1000 + 1)
         self._tasks.clear()
         await self._redis.aclose()
 
@@ -279,7 +284,7 @@ class SharedState:
         return total
 
     async def _read_loop(self) -> None:
-        while True:
+        while not self._stopping:
             if self._link.wait_s() > 0:  # polled, so that reading resumes as soon as the flusher got through
                 await asyncio.sleep(FLUSH_INTERVAL_S)
                 continue
@@ -322,7 +327,7 @@ class SharedState:
     # -- flushing: updates out, load both ways ----------------------------------------------------------------
 
     async def _flush_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(FLUSH_INTERVAL_S)
             if self._link.wait_s() > 0:
                 continue  # the buffer waits for the next try, bounded by MAX_PENDING_BYTES
