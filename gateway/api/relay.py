@@ -114,8 +114,8 @@ class Relay:
             self._task.uncancel()  # our own stop, not the client's: end the stream properly
             await self._end_with_error(ShuttingDown("The gateway is shutting down; retry the request."))
             return self.response or web.Response(status=503)
-        except (ConnectionError, RuntimeError):  # the client's connection closed under our write
-            self.outcome.ending = Ending.CLIENT_GONE
+        except ConnectionError:  # the client's connection closed under our write, or we dropped a slow one
+            self.outcome.ending = self.outcome.ending or Ending.CLIENT_GONE
             return self.response or web.Response(status=499)
         finally:
             self.upstream.close()
@@ -187,6 +187,6 @@ class Relay:
                 named = b"event: error\n" if shape is ErrorShape.ANTHROPIC else b""
                 await self.response.write(named + b"data: " + json.dumps(error.body(shape)).encode() + b"\n\n")
             await self.response.write_eof()
-        except (ConnectionError, RuntimeError):
+        except ConnectionError:
             pass
 
