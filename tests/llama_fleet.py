@@ -108,7 +108,9 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 
 @dataclass
-class LlamaServer:
+class EngineServer:
+    """A real engine's server process on loopback, with its log file."""
+
     url: str
     port: int
     proc: subprocess.Popen[bytes]
@@ -124,6 +126,9 @@ class LlamaServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return "(no log)"
+
+
+class LlamaServer(EngineServer):
 
     def props(self) -> dict:
         status, body = http_get(self.url + "/props")

