@@ -36,6 +36,7 @@ from aiohttp.typedefs import Middleware
 
 from gateway.api.admission import Admission
 from gateway.api.auth import ApiKeys
+from gateway.api.drain import Drain
 from gateway.fleet.backends import Backend, Pool
 from gateway.config import GatewayConfig
 from gateway.observe.dashboard import Dashboard
@@ -117,16 +118,13 @@ class Gateway:
         self.header_policy = HeaderPolicy(config.forward_client_credentials, config.trusted_proxies)
         self.responses = ResponseOwners(config.responses_max_ids, config.responses_ttl_s)
         self.log_access = AccessLog()
-        self.open_relays: set[Relay] = set()
-        self.unanswered: set[asyncio.Task[Any]] = set()  # requests not yet relaying an answer (queued, parsing,
-        self.cut_by_shutdown: set[asyncio.Task[Any]] = set()  # waiting for the backend), and those we stopped
-        self.stopping = False
+        self.drain = Drain(config.shutdown_grace_s)
         self.log_flusher: asyncio.Task[None] | None = None
 
     # -- the request path -------------------------------------------------------------------------------
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
-        return await self.until_shutdown(self.admitted(request))
+        return await self.drain.guard(self.admitted(request))
 
     async def admitted(self, request: web.Request) -> web.StreamResponse:
         await self.admission.enter()
@@ -140,7 +138,7 @@ class Gateway:
             self.admission.leave()
 
     async def relay_stored(self, request: web.Request) -> web.StreamResponse:
-        return await self.until_shutdown(self.admitted_stored(request))
+        return await self.drain.guard(self.admitted_stored(request))
 
     async def admitted_stored(self, request: web.Request) -> web.StreamResponse:
         """GET, DELETE or cancel a stored response: at the backend that holds it (chosen in `parse_stored`)."""
@@ -151,22 +149,6 @@ class Gateway:
             return await self.relay_answer(request, exchange, placement, upstream)
         finally:
             self.admission.leave()
-
-    async def until_shutdown(self, handling: Awaitable[web.StreamResponse]) -> web.StreamResponse:
-        """Run a request's handling; one still unanswered when the shutdown grace ends gets 503 (see
-        `on_shutdown`; an answer already under way is ended by its `Relay`)."""
-        task = asyncio.current_task()
-        assert task is not None
-        self.unanswered.add(task)
-        try:
-            return await handling
-        except asyncio.CancelledError:
-            if task not in self.cut_by_shutdown:
-                raise
-            task.uncancel()  # our own stop, not the client's: it gets an answer it can retry elsewhere
-            raise ShuttingDown("The gateway is shutting down; retry the request.") from None
-        finally:
-            self.unanswered.discard(task)
 
     async def parse(self, request: web.Request, endpoint: Endpoint) -> Exchange:
         request_id_ = client_request_id(request.headers, os.urandom(16).hex())
@@ -274,7 +256,7 @@ class Gateway:
     def cancelled_outcome(self, exc: BaseException) -> Outcome:
         if not isinstance(exc, asyncio.CancelledError):
             return Outcome(status=500)
-        if asyncio.current_task() in self.cut_by_shutdown:
+        if self.drain.cut_by_shutdown():
             return Outcome(status=ShuttingDown.status_code, ending=Ending.SHUTDOWN)
         return Outcome(status=499, ending=Ending.CLIENT_GONE)
 
@@ -298,15 +280,14 @@ class Gateway:
 
     async def relay_answer(self, request: web.Request, exchange: Exchange, placement: Placement,
                            upstream: UpstreamResponse) -> web.StreamResponse:
-        if (task := asyncio.current_task()) is not None:
-            self.unanswered.discard(task)  # from here on, a shutdown ends it as an open answer (`Relay`)
+        self.drain.answering()
         relay = Relay(request, upstream, self.response_headers(exchange, placement), exchange.streaming,
                       placement.placed_s, self.config.write_timeout_s)
-        self.open_relays.add(relay)
+        self.drain.open_relays.add(relay)
         try:
             return await relay.run(placement.first_byte)
         finally:
-            self.open_relays.discard(relay)
+            self.drain.open_relays.discard(relay)
             self.record(placement, exchange, relay.outcome)
             if exchange.endpoint is Endpoint.RESPONSES and relay.outcome.status < 400:
                 self.track_response(exchange, placement.backend, relay)
@@ -386,9 +367,9 @@ class Gateway:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        ready = self.pool.ready() and not self.stopping
+        ready = self.pool.ready() and not self.drain.stopping
         missing = sorted(set(self.pool.models(healthy_only=False)) - set(self.pool.models()))
-        return web.json_response({"ready": ready, "stopping": self.stopping, "models": self.pool.models(),
+        return web.json_response({"ready": ready, "stopping": self.drain.stopping, "models": self.pool.models(),
                                   "models_without_backend": missing,
                                   "requests": {"in_flight": self.admission.in_flight,
                                                "waiting": self.admission.waiting},
@@ -413,19 +394,8 @@ class Gateway:
         await self.shared.start()  # replays the other instances' placements before serving
 
     async def on_shutdown(self, app: web.Application) -> None:
-        """The server has stopped accepting: /ready says so at once, open answers get `shutdown_grace_s` to
-        finish, and those still open then end with an SSE error event."""
-        self.stopping = True
-        logger.info("shutting down: %d requests in flight get up to %g s",
-                    len(self.open_relays) + len(self.unanswered), self.config.shutdown_grace_s)
-        deadline = time.monotonic() + self.config.shutdown_grace_s
-        while (self.open_relays or self.unanswered) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for relay in list(self.open_relays):
-            relay.stop_for_shutdown()
-        for task in list(self.unanswered):  # still queued or waiting for the backend: answered 503
-            self.cut_by_shutdown.add(task)
-            task.cancel()
+        """The server has stopped accepting: /ready says so at once, and what is in flight drains."""
+        await self.drain.drain()
 
     async def on_cleanup(self, app: web.Application) -> None:
         await self.shared.stop()
