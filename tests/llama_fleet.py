@@ -127,6 +127,19 @@ class EngineServer:
         except OSError:
             return "(no log)"
 
+    def wait_ready(self, engine: str, deadline: float, poll_s: float) -> None:
+        """Until /health answers 200, or raise with the log's tail when the process exits or time is up."""
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{engine} on port {self.port} exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            status, _ = http_get(self.url + "/health", timeout=2.0)
+            if status == 200:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{engine} on port {self.port} not ready in time:\n{self.log_tail()}")
+            time.sleep(poll_s)
+
 
 class LlamaServer(EngineServer):
 
@@ -144,21 +157,6 @@ def _stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=grace)
-
-
-def _wait_ready(server: LlamaServer, deadline: float) -> None:
-    """Until /health answers 200 (it answers 503 while the model loads)."""
-    while True:
-        if server.proc.poll() is not None:
-            raise RuntimeError(
-                f"llama-server on port {server.port} exited with {server.proc.returncode}:\n{server.log_tail()}"
-            )
-        status, _ = http_get(server.url + "/health", timeout=2.0)
-        if status == 200:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"llama-server on port {server.port} not ready in time:\n{server.log_tail()}")
-        time.sleep(0.1)
 
 
 @contextlib.contextmanager
@@ -208,7 +206,7 @@ def llama_fleet(
                 servers.append(LlamaServer(f"http://127.0.0.1:{port}", port, proc, log_path, args))
             deadline = time.monotonic() + ready_timeout
             for s in servers:
-                _wait_ready(s, deadline)
+                s.wait_ready("llama-server", deadline, poll_s=0.1)  # 503 while the model loads
             yield servers
         finally:
             for s in servers:

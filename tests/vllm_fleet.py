@@ -91,21 +91,6 @@ def _stop(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
         proc.wait(timeout=grace)
 
 
-def _wait_ready(server: VllmServer, deadline: float) -> None:
-    """Until /health answers 200 (nothing listens while vLLM imports and starts its engine)."""
-    while True:
-        if server.proc.poll() is not None:
-            raise RuntimeError(
-                f"vLLM on port {server.port} exited with {server.proc.returncode}:\n{server.log_tail()}"
-            )
-        status, _ = http_get(server.url + "/health", timeout=2.0)
-        if status == 200:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"vLLM on port {server.port} not ready in time:\n{server.log_tail()}")
-        time.sleep(0.5)
-
-
 def engine_env(kv_cache_gib: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update(
@@ -161,7 +146,7 @@ def vllm_fleet(
                 servers.append(VllmServer(f"http://127.0.0.1:{port}", port, proc, log_path, args))
             deadline = time.monotonic() + ready_timeout
             for s in servers:
-                _wait_ready(s, deadline)
+                s.wait_ready("vLLM", deadline, poll_s=0.5)  # nothing listens while vLLM starts
             yield servers
         finally:
             for s in servers:
