@@ -47,7 +47,7 @@ from gateway.fleet.health import Upkeep
 from gateway.observe.logs import AccessLog, flush_every
 from gateway.observe.metrics import GatewayMetrics
 from gateway.routing.policies import RoutingRequest
-from gateway.api.prompts import Endpoint, multipart_fields, parse_json, routing_text, validate_body
+from gateway.api.prompts import Endpoint, multipart_fields, parse_json, routing_text, session_key, validate_body
 from gateway.api.relay import Ending, Outcome, Relay, error_for
 from gateway.api.responses import ResponseOwners, locate, response_id_of
 from gateway.rewrite import Rewriter, enabled_for
@@ -100,6 +100,7 @@ class Exchange:
     rewritten_spans: int = 0
     owner: Backend | None = None  # the one backend that can serve it: it holds the stored response named
     stored_id: str | None = None  # GET, DELETE or cancel of this stored response
+    session: str | None = None  # the client's session key (prompts.session_key), when routing follows sessions
 
 
 class Gateway:
@@ -131,7 +132,7 @@ class Gateway:
         try:
             exchange = await self.parse(request, RELAYED_PATHS[request.path])
             exchange = self.rewrite(exchange, opted_out=not enabled_for(request.headers))
-            routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body))
+            routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body), exchange.session)
             placement, upstream = await self.forward(exchange, routing, request)
             return await self.relay_answer(request, exchange, placement, upstream)
         finally:
@@ -162,8 +163,10 @@ class Gateway:
         request[MODEL] = model
         owner = await self.owner_of(body.get("previous_response_id"), "previous_response_id", model) \
             if endpoint is Endpoint.RESPONSES else None
+        session = session_key(endpoint, body, request.headers.get(self.config.session_header)) \
+            if self.router.sessions is not None and endpoint.routes_by_prefix else None
         return Exchange(endpoint, request.method, request.path, body, raw, model, body.get("stream") is True,
-                        request_id_, time.monotonic(), owner=owner)
+                        request_id_, time.monotonic(), owner=owner, session=session)
 
     async def parse_stored(self, request: web.Request) -> Exchange:
         request_id_ = client_request_id(request.headers, os.urandom(16).hex())

@@ -10,6 +10,7 @@ Values are parsed strictly; a bad one raises `ConfigError` naming the key and th
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class GatewayConfig:
     default_model: str | None = None
     responses_max_ids: int = 100_000  # stored-response owners remembered (gateway/api/responses.py)
     responses_ttl_s: float = 86_400.0
+    session_header: str = "x-session-id"  # a client's session key (gateway/api/prompts.py session_key)
     log_level: str = "info"
     log_format: str = "text"
     state: str | None = None  # redis://HOST:PORT/DB shared by several instances (shared_state.py)
@@ -88,6 +90,15 @@ def _networks(key: str, value: Any) -> tuple[Network, ...]:
         return parse_networks(strings(key, value))
     except ValueError as exc:
         raise ConfigError(f"{key} must list IP addresses or networks like 10.0.0.0/8, got {value!r}: {exc}") from None
+
+
+def _header_name(key: str, value: Any) -> str:
+    if value == "":
+        return ""
+    name = string(key, value).strip().lower()
+    if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9a-z-]+", name):
+        validate.fail(key, "an HTTP header name like x-session-id", value)
+    return name
 
 
 def _workers(key: str, value: Any) -> int:
@@ -156,6 +167,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("held_weight", "policy", "held_weight", at_least(0.0, number),
            "queued prefill tokens one token of a backend's prefix index is worth to a request that "
            "starts a new branch there (a new conversation settles where the least is held)"),
+    Option("session_weight", "policy", "session_weight", fraction,
+           "how far a session key (--session-header, prompt_cache_key, user) is believed: the tokens its backend "
+           "computed for the key's last request, when the index no longer predicts them, count as cached there "
+           "at this share; 0 ignores keys"),
+    Option("session_header", "", "session_header", _header_name,
+           "request header carrying a client's session key; it wins over the body's prompt_cache_key and user "
+           "(\"\" reads keys from the body only)", "NAME"),
+    Option("session_max_keys", "routing", "session_max_keys", at_least(1, integer),
+           "session keys whose last backend is remembered; the least recently used are forgotten first"),
+    Option("session_ttl_secs", "routing", "session_ttl_s", at_least(1.0, number),
+           "seconds a session key's last backend is remembered after its last request"),
     Option("block_chars", "routing", "block_chars", at_least(8, integer),
            "characters per hashed block of the prefix index (~16 tokens at 64)"),
     Option("chars_per_token", "routing", "chars_per_token", at_least(0.5, number),

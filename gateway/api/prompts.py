@@ -80,6 +80,24 @@ def routing_text(endpoint: Endpoint, body: dict[str, Any]) -> str:
     return ""
 
 
+def session_key(endpoint: Endpoint, body: dict[str, Any], header: str | None) -> str | None:
+    """The client's session key, or None: the session header (`--session-header`) if sent, else the body's
+    `prompt_cache_key` (OpenAI's explicit cache routing key), else its `user` (Anthropic Messages:
+    `metadata.user_id`). The most explicit wins: a header is set for routing alone, `user` names an end user who
+    may hold several conversations (harmless: a key only weighs for a request continuing its last prompt)."""
+    if header:
+        return header
+    key = body.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        return key
+    if endpoint is Endpoint.MESSAGES:
+        metadata = body.get("metadata")
+        key = metadata.get("user_id") if isinstance(metadata, dict) else None
+    else:
+        key = body.get("user")
+    return key if isinstance(key, str) and key else None
+
+
 def render_responses(body: dict[str, Any]) -> str:
     """A Responses request as a chat: `instructions` as the system turn, then each input item as a turn.
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.fleet.backends import Backend, Pool
 from gateway.routing.hashing import block_hashes
 from gateway.routing.policies import Decision, PolicyConfig, Route, RoutingRequest
 from gateway.routing.policies.basic import least_loaded
 from gateway.routing.policies.registry import DEFAULT_POLICY, default_config, make_policy
+from gateway.routing.sessions import Sessions, key_hash
 
 # A backend reporting less than this share of the predicted cached tokens has evicted that prefix.
 EVICTION_EVIDENCE_RATIO = 0.5
@@ -28,6 +29,8 @@ class RoutingConfig:
     policy_config: PolicyConfig = field(default_factory=default_config)  # the knobs of `policy`
     block_chars: int = 64
     chars_per_token: float = 4.0
+    session_max_keys: int = 100_000  # session keys remembered (gateway/routing/sessions.py)
+    session_ttl_s: float = 3600.0
 
 
 class Placement:
@@ -102,10 +105,15 @@ class Router:
         self.config = config
         self.policy = make_policy(config.policy, config.policy_config)
         self.default_model = default_model
+        # Kept only for a policy that reads them: under the baselines a key changes nothing.
+        self.sessions = Sessions(config.session_max_keys, config.session_ttl_s) \
+            if config.policy_config.follows_sessions else None
 
-    def routing_request(self, text: str) -> RoutingRequest:
+    def routing_request(self, text: str, session: str | None = None) -> RoutingRequest:
+        """The request as policies see it; `session` is the client's session key, if it sent one."""
         return RoutingRequest(block_hashes(text, self.config.block_chars), len(text),
-                              self.config.block_chars, self.config.chars_per_token)
+                              self.config.block_chars, self.config.chars_per_token,
+                              None if session is None or self.sessions is None else key_hash(session))
 
     def resolve_model(self, requested: str | None) -> str:
         return self.pool.resolve_model(requested, self.default_model)
@@ -114,7 +122,13 @@ class Router:
         """Choose a backend for `request`, not one in `avoid` unless no other is left, and reserve it; raises
         NoHealthyBackend when none is healthy."""
         candidates = self.pool.serving(model, exclude=avoid) or self.pool.candidates(model)
-        return self._reserve(self.policy.choose(candidates, request), request)
+        key, sessions = request.session, self.sessions
+        if key is None or sessions is None:
+            return self._reserve(self.policy.choose(candidates, request), request)
+        request = replace(request, last_visit=sessions.last_visit(key))
+        decision = self.policy.choose(candidates, request)
+        sessions.visited(key, request.visit(decision.backend))  # the key follows its request
+        return self._reserve(decision, request)
 
     def place_least_loaded(self, model: str, request: RoutingRequest, avoid: Sequence[Backend] = ()) -> Placement:
         """As `place`, for a request that fills no prefix cache (tokenize, rerank, ...): the policy's view of the

@@ -33,13 +33,27 @@ class Route(str, Enum):
 
 
 @dataclass(frozen=True)
+class Visit:
+    """Where a session key's last request went (gateway/routing/sessions.py): its backend, and its prompt as the
+    number of hashed blocks and the hash of the last one."""
+
+    backend: Backend
+    blocks: int
+    last_hash: int
+
+
+@dataclass(frozen=True)
 class RoutingRequest:
-    """What a policy knows of a request: its prompt's chained block hashes and its length."""
+    """What a policy knows of a request: its prompt's chained block hashes and its length, and, when the client
+    sent a session key, that key's hash and where its last request went (filled in by the router, for policies
+    that follow sessions)."""
 
     hashes: Sequence[int]
     text_chars: int
     block_chars: int
     chars_per_token: float
+    session: int | None = None
+    last_visit: Visit | None = None
 
     def match_fraction(self, blocks: int) -> float:
         return min(1.0, blocks * self.block_chars / self.text_chars) if self.text_chars else 0.0
@@ -59,6 +73,18 @@ class RoutingRequest:
     def prompt_tokens(self) -> int:
         return self.tokens(self.text_chars)
 
+    def session_blocks(self, backend: Backend) -> int:
+        """Blocks of this prompt that `backend` computed for the session's last request: all of that prompt when
+        this one continues it (its last block hash is ours at the same place) and it went to `backend`, else 0."""
+        visit = self.last_visit
+        if visit is None or visit.backend is not backend or not 0 < visit.blocks <= len(self.hashes):
+            return 0
+        return visit.blocks if self.hashes[visit.blocks - 1] == visit.last_hash else 0
+
+    def visit(self, backend: Backend) -> Visit:
+        """This request as its session's last visit, to `backend`."""
+        return Visit(backend, len(self.hashes), self.hashes[-1] if self.hashes else 0)
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -76,6 +102,12 @@ class PolicyConfig:
         """Share of a backend's reported KV capacity its prefix index models: the whole pool, unless a policy
         leaves the engine room for running requests (prefix_aware's `index_kv_share`)."""
         return 1.0
+
+    @property
+    def follows_sessions(self) -> bool:
+        """Whether the policy reads `RoutingRequest.last_visit`: only then does the router keep session keys, so
+        the baselines (round_robin, cache_aware) ignore them (prefix_aware's `session_weight`)."""
+        return False
 
 
 class Policy(Protocol):

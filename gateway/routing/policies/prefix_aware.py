@@ -5,6 +5,7 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
     cost(b) = queued_prefill(b) + affinity_weight * uncached(b)
               + active_weight * active_tokens(b) + decode_weight_tokens * in_flight(b)
               + held_weight * held_tokens(b)        [only when the request starts a new branch on b]
+              - session_weight * affinity_weight * session_tokens(b)    [only with a session key]
 
 - `uncached(b)`: the request's prompt tokens minus those `b` is predicted to hold (its prefix index), i.e. the
   prefill this request would cause there. A conversation therefore follows its own history, not the system
@@ -45,6 +46,17 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   to which each running request adds little: about a few prompt tokens' worth of prefill. A queued prefill, by
   contrast, delays it by all its tokens.
 
+- `session_tokens(b)`: with a session key (`x-session-id`, `prompt_cache_key`, `user`: gateway/api/prompts.py),
+  the tokens of this prompt that `b` computed for the key's last request -- when that request went to `b` and this
+  one continues its prompt (gateway/routing/sessions.py) -- beyond what `b`'s index still predicts. The engine
+  computed them; the index may have forgotten them first (it models `index_kv_share` of the cache, and an idle
+  session is the least recently used), so the key tells what the index no longer can, and `session_weight`
+  (default 1, 0 turns keys off) is how far that is believed. When the index still holds the history the term is
+  0: a key never adds stickiness beyond the cache it stands for, so a key's backend keeps it exactly while a
+  held prefix would keep it (the guard rail below applies as to any request), and when moving pays the key moves
+  and is remembered at its new backend, where its history is recorded from then on. Without a key, or for a
+  request that does not continue its key's last prompt (a new conversation of the same `user`), nothing changes.
+
 Equal costs go to the backend whose index is emptiest, then by rotation, so new prefixes spread instead of
 piling onto the first backend.
 
@@ -79,6 +91,7 @@ class PrefixAwareConfig(PolicyConfig):
     affinity_weight: float = 4.0
     active_weight: float = 0.15
     held_weight: float = 0.15
+    session_weight: float = 1.0
     metrics_max_age_s: float = 2.0
     # Share of a backend's KV capacity its prefix index models: the engine keeps the rest for running requests,
     # and predicting a hit it already evicted costs more than missing one.
@@ -87,6 +100,10 @@ class PrefixAwareConfig(PolicyConfig):
     @property
     def index_share(self) -> float:
         return self.index_kv_share
+
+    @property
+    def follows_sessions(self) -> bool:
+        return self.session_weight > 0
 
 
 class PrefixAware:
@@ -115,7 +132,14 @@ class PrefixAware:
         cost = (self.queued_prefill(backend, uncached, now_s) + config.affinity_weight * uncached
                 + config.active_weight * request.block_tokens(backend.active_blocks + backend.remote.active_blocks)
                 + config.decode_weight_tokens * backend.fleet_in_flight)
-        if _starts_branch(backend, matched_blocks, request):
+        continues_session = False
+        if request.last_visit is not None:
+            session_blocks = request.session_blocks(backend)
+            if session_blocks > matched_blocks:  # the session's last prompt, there beyond what the index knows
+                continues_session = True
+                cost -= config.session_weight * config.affinity_weight * \
+                    (uncached - request.uncached_tokens(session_blocks))
+        if not continues_session and _starts_branch(backend, matched_blocks, request):
             cost += config.held_weight * request.block_tokens(backend.index.size_blocks)
         return cost
 
