@@ -111,7 +111,7 @@ class Gateway:
         self.router = Router(self.pool, config.routing, config.default_model)
         self.rewriter = Rewriter(config.rewrite)
         self.metrics = GatewayMetrics(self.pool)
-        self.shared = shared_state(config.state, self.pool, self.metrics.registry)
+        self.shared = shared_state(config.state, self.pool, self.metrics.registry, self.router.sessions)
         self.client = UpstreamClient(config.connect_timeout_s, config.first_byte_timeout_s, config.request_timeout_s)
         self.upkeep = Upkeep(self.pool, self.client, config)
         self.admission = Admission(config.max_concurrent_requests, config.max_queue_wait_s)

@@ -79,7 +79,7 @@ def replica_args(scenario: Scenario, *, embedding: bool = False) -> list[str]:
 def drive_options(scenario: Scenario, traffic: Traffic, time_scale: float) -> DriveOptions:
     rate = traffic.request_rate / time_scale if traffic.request_rate else None
     return DriveOptions(rate_per_s=rate, max_concurrency=traffic.max_concurrency, stream=traffic.stream,
-                        seed=scenario.workload.seed)
+                        seed=scenario.workload.seed, time_scale=time_scale)
 
 
 def run_policies(scenario: Scenario, policies: Sequence[str], traffic: Traffic, *, peer: str | None = None,

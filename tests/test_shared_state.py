@@ -16,6 +16,7 @@ from gateway.fleet.shared_state import (
     DOWN,
     DOWN_VERDICT_MAX_AGE_S,
     PLACED,
+    SESSION,
     SharedState,
     apply_update,
     backend_id,
@@ -28,6 +29,7 @@ from gateway.routing.policies import PolicyConfig
 from gateway.routing.policies.basic import LeastLoad
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.router import Router, RoutingConfig
+from gateway.routing.sessions import Sessions
 from simulator.fleet import free_port
 from tests.policy_fixtures import make_backends, request, text
 
@@ -109,6 +111,9 @@ class Recorder:
     def marked_down(self, backend: Backend) -> None:
         self.calls.append(("down", backend.url, 0))
 
+    def session_visited(self, backend: Backend, key: int, blocks: int, last_hash: int) -> None:
+        self.calls.append(("session", backend.url, blocks))
+
 
 def test_the_router_publishes_placements_corrections_and_down_verdicts() -> None:
     pool = healthy_pool(2)
@@ -128,6 +133,25 @@ def test_the_router_publishes_placements_corrections_and_down_verdicts() -> None
     assert recorder.calls == [("placed", url, blocks), ("placed", url, blocks), ("corrected", url, 0),
                               ("placed", url, blocks), ("placed", url, len(longer.hashes)),
                               ("corrected", url, blocks), ("down", url, 0)]
+
+
+def test_a_session_key_is_published_with_its_backend_and_learnt_by_the_other_instances() -> None:
+    pool = healthy_pool(2)
+    recorder = Recorder()
+    for backend in pool.backends:
+        backend.publisher = recorder
+    router = Router(pool, RoutingConfig(policy="prefix_aware"))
+    prompt = router.routing_request(text("an agent's session", 2000), "agent-1")
+    placement = router.place("m", prompt)
+    assert ("session", placement.backend.url, len(prompt.hashes)) in recorder.calls
+    other, sessions = healthy_pool(2), Sessions(max_keys=10, ttl_s=60.0)
+    assert prompt.session is not None
+    update = (prompt.session, len(prompt.hashes), prompt.hashes[-1])
+    assert apply_update(by_id(other), SESSION, backend_id(placement.backend.url), update, 0.0, sessions)
+    visit = sessions.last_visit(prompt.session)
+    assert visit is not None and visit.backend.url == placement.backend.url and visit.blocks == len(prompt.hashes)
+    # An instance that keeps no keys (a baseline policy) ignores them.
+    assert not apply_update(by_id(other), SESSION, backend_id(placement.backend.url), update, 0.0, None)
 
 
 def test_a_verdict_from_another_instance_is_not_published_again() -> None:

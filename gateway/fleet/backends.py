@@ -80,6 +80,8 @@ class Publisher(Protocol):
 
     def marked_down(self, backend: Backend) -> None: ...
 
+    def session_visited(self, backend: Backend, key: int, blocks: int, last_hash: int) -> None: ...
+
 
 class NotShared:
     """The publisher of a gateway that shares nothing."""
@@ -91,6 +93,9 @@ class NotShared:
         pass
 
     def marked_down(self, backend: Backend) -> None:
+        pass
+
+    def session_visited(self, backend: Backend, key: int, blocks: int, last_hash: int) -> None:
         pass
 
 

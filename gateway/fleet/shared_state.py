@@ -15,6 +15,9 @@ appending a few bytes to a local buffer (`Backend.publisher`); a background task
   remaining prefill tokens, active blocks) into one hash field with a sequence number, and reads the others'
   in the same round trip. Sums over the fresh ones (sequence moved within `LOAD_TTL_S`) land in
   `Backend.remote`, which the policies add to their own.
+- A session key's last backend (`gateway/routing/sessions.py`) goes through the same stream: the key's 64-bit
+  hash, the prompt's block count and last block hash, 24 bytes. Every instance then knows where each key was
+  served last, whichever instance served it.
 - A backend one instance marks down is taken out by the others at once (its index cleared); their own health
   checks bring it back at their next good check. A verdict older than `DOWN_VERDICT_MAX_AGE_S` (replayed) only
   clears the index.
@@ -44,6 +47,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.fleet.backends import Backend, Pool, RemoteLoad
+from gateway.routing.policies import Visit
+from gateway.routing.sessions import Sessions
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +67,7 @@ DOWN_VERDICT_MAX_AGE_S = 10.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
 DELAY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
 
-PLACED, CORRECTED, DOWN = 1, 2, 3
+PLACED, CORRECTED, DOWN, SESSION = 1, 2, 3, 4
 _HEADER = struct.Struct("<BIH")  # kind, backend id, number of hashes that follow
 _MAX_HASHES = 0xFFFF  # a longer prompt keeps its head, as an index shorter than it does
 _LOAD_HEAD = struct.Struct("<Q")  # sequence number
@@ -111,13 +116,19 @@ def local_load(backend: Backend, now_s: float) -> RemoteLoad:
                       backend.active_blocks)
 
 
-def apply_update(backends: dict[int, Backend], kind: int, backend: int, hashes: Sequence[int], age_s: float) -> bool:
+def apply_update(backends: dict[int, Backend], kind: int, backend: int, hashes: Sequence[int], age_s: float,
+                 sessions: Sessions | None = None) -> bool:
     """Apply one update another instance published `age_s` ago; False when it names no backend of ours, or is of a
-    kind this version does not know."""
+    kind this version does not know (or a session key, when this instance keeps none)."""
     target = backends.get(backend)
     if target is None:
         return False
-    if kind == PLACED:
+    if kind == SESSION:
+        if sessions is None or len(hashes) != 3:
+            return False
+        key, blocks, last_hash = hashes
+        sessions.visited(key, Visit(target, blocks, last_hash))
+    elif kind == PLACED:
         target.index.insert(hashes)
     elif kind == CORRECTED:
         target.index.truncate(hashes, 0)
@@ -177,10 +188,12 @@ class _Peer:
 class SharedState:
     """This instance's side of the shared view: the publisher of its backends and the applier of the others'."""
 
-    def __init__(self, url: str, pool: Pool, registry: CollectorRegistry, instance: str | None = None) -> None:
+    def __init__(self, url: str, pool: Pool, registry: CollectorRegistry, instance: str | None = None,
+                 sessions: Sessions | None = None) -> None:
         self.instance = instance or secrets.token_hex(4)
         self._id = self.instance.encode()
         self._pool = pool
+        self._sessions = sessions
         self._by_id = {backend_id(b.url): b for b in pool.backends}
         self._redis = aioredis.Redis.from_url(url, socket_timeout=COMMAND_TIMEOUT_S + READ_BLOCK_MS / 1000,
                                               socket_connect_timeout=COMMAND_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
@@ -223,6 +236,9 @@ class SharedState:
 
     def marked_down(self, backend: Backend) -> None:
         self._append(encode_update(DOWN, backend_id(backend.url)))
+
+    def session_visited(self, backend: Backend, key: int, blocks: int, last_hash: int) -> None:
+        self._append(encode_update(SESSION, backend_id(backend.url), (key, blocks, last_hash)))
 
     def _append(self, update: bytes) -> None:
         if self._pending_bytes + len(update) > MAX_PENDING_BYTES:
@@ -313,7 +329,7 @@ class SharedState:
             try:
                 age_s = max(0.0, time.time() - float(fields[b"t"]))
                 for kind, backend, hashes in decode_updates(fields[b"b"]):
-                    applied += apply_update(self._by_id, kind, backend, hashes, age_s)
+                    applied += apply_update(self._by_id, kind, backend, hashes, age_s, self._sessions)
             except (KeyError, ValueError, struct.error) as exc:  # not ours: another program's, or a newer format
                 logger.debug("state store entry %s skipped: %r", self._last_id, exc)
                 continue
@@ -430,5 +446,6 @@ class LocalState:
         return {"store": None}
 
 
-def shared_state(url: str | None, pool: Pool, registry: CollectorRegistry) -> SharedState | LocalState:
-    return LocalState() if url is None else SharedState(url, pool, registry)
+def shared_state(url: str | None, pool: Pool, registry: CollectorRegistry,
+                 sessions: Sessions | None = None) -> SharedState | LocalState:
+    return LocalState() if url is None else SharedState(url, pool, registry, sessions=sessions)

@@ -127,7 +127,9 @@ class Router:
             return self._reserve(self.policy.choose(candidates, request), request)
         request = replace(request, last_visit=sessions.last_visit(key))
         decision = self.policy.choose(candidates, request)
-        sessions.visited(key, request.visit(decision.backend))  # the key follows its request
+        visit = request.visit(decision.backend)
+        sessions.visited(key, visit)  # the key follows its request
+        decision.backend.publisher.session_visited(decision.backend, key, visit.blocks, visit.last_hash)
         return self._reserve(decision, request)
 
     def place_least_loaded(self, model: str, request: RoutingRequest, avoid: Sequence[Backend] = ()) -> Placement:
