@@ -19,8 +19,8 @@ from tests.policy_fixtures import make_backends, text
 SYSTEM = text("shared agent system prompt with tool rules", 2000)
 
 
-def router(policy: str = "prefix_aware", replicas: int = 3, **knobs: float) -> Router:
-    pool = Pool([BackendSpec(f"http://b{i}", model="m") for i in range(replicas)], index_capacity_blocks=10_000,
+def router(policy: str = "prefix_aware", capacity_blocks: int = 10_000, **knobs: float) -> Router:
+    pool = Pool([BackendSpec(f"http://b{i}", model="m") for i in range(3)], index_capacity_blocks=capacity_blocks,
                 retry_after_s=1)
     for backend in pool.backends:
         backend.health_check_passed(success_threshold=1)
@@ -67,6 +67,17 @@ def test_session_key_brings_an_idle_conversation_home_when_the_index_forgot_it()
     assert keyless_next != keyless_home  # without a key the forgotten history looks like a new conversation
     keyed_home, keyed_next = results["agent-7"]
     assert keyed_next == keyed_home
+
+
+def test_session_key_is_not_believed_once_the_engine_has_evicted_what_the_index_did() -> None:
+    decisions = {}
+    for key in (None, "agent-8"):
+        subject = router(capacity_blocks=400)  # the engine holds 400 / 0.85 = 470 blocks
+        home = next(b for b in subject.pool.backends if b.url == place(subject, turn(8, 2), key))
+        for i in range(10):  # 1,000 newer blocks: the index evicts the session, then so does the engine
+            home.index.insert(subject.routing_request(text(f"newer traffic {i}", 6400)).hashes)
+        decisions[key] = place(subject, turn(8, 3), key)
+    assert decisions[None] == decisions["agent-8"]
 
 
 def test_session_key_moves_when_its_backend_is_overloaded_and_follows_the_move() -> None:
@@ -118,9 +129,9 @@ def test_session_map_forgets_the_least_recently_used_key_first() -> None:
     backend = make_backends(1)[0]
     sessions = Sessions(max_keys=2, ttl_s=60.0)
     for key in (1, 2):
-        sessions.visited(key, Visit(backend, 1, key))
-    sessions.visited(1, Visit(backend, 2, 1))  # key 1 used again: key 2 is now the oldest
-    sessions.visited(3, Visit(backend, 1, 3))
+        sessions.visited(key, Visit(backend, 1, key, 0))
+    sessions.visited(1, Visit(backend, 2, 1, 0))  # key 1 used again: key 2 is now the oldest
+    sessions.visited(3, Visit(backend, 1, 3, 0))
     assert len(sessions) == 2 and sessions.last_visit(2) is None and sessions.last_visit(1) is not None
 
 
@@ -128,12 +139,12 @@ def test_session_map_forgets_keys_idle_longer_than_the_ttl() -> None:
     now = [0.0]
     backend = make_backends(1)[0]
     sessions = Sessions(max_keys=10, ttl_s=5.0, clock=lambda: now[0])
-    sessions.visited(1, Visit(backend, 1, 1))
+    sessions.visited(1, Visit(backend, 1, 1, 0))
     now[0] = 4.0
-    sessions.visited(2, Visit(backend, 1, 2))
+    sessions.visited(2, Visit(backend, 1, 2, 0))
     now[0] = 6.0
     assert sessions.last_visit(1) is None and sessions.last_visit(2) is not None
-    sessions.visited(3, Visit(backend, 1, 3))
+    sessions.visited(3, Visit(backend, 1, 3, 0))
     assert len(sessions) == 2
 
 

@@ -127,7 +127,8 @@ def apply_update(backends: dict[int, Backend], kind: int, backend: int, hashes: 
         if sessions is None or len(hashes) != 3:
             return False
         key, blocks, last_hash = hashes
-        sessions.visited(key, Visit(target, blocks, last_hash))
+        # Eviction counts differ between instances: counted from now, a publication's delay late.
+        sessions.visited(key, Visit(target, blocks, last_hash, target.index.evicted_blocks))
     elif kind == PLACED:
         target.index.insert(hashes)
     elif kind == CORRECTED:

@@ -44,6 +44,7 @@ class PrefixIndex:
         self._nodes: dict[int, _Node] = {}
         self._roots: set[int] = set()
         self._leaves: SortedList = SortedList()  # (last_access, key) of nodes without children
+        self.evicted_blocks = 0  # blocks pushed out by the LRU bound so far: how much newer content came in
 
     @property
     def size_blocks(self) -> int:
@@ -142,6 +143,7 @@ class PrefixIndex:
         while len(self._nodes) > capacity:
             _, key = self._leaves[0]
             self._remove_leaf(self._nodes[key])
+            self.evicted_blocks += 1
 
     def _remove_leaf(self, node: _Node) -> None:
         self._leaves.remove((node.last_access, node.key))

@@ -34,12 +34,18 @@ class Route(str, Enum):
 
 @dataclass(frozen=True)
 class Visit:
-    """Where a session key's last request went (gateway/routing/sessions.py): its backend, and its prompt as the
-    number of hashed blocks and the hash of the last one."""
+    """Where a session key's last request went (gateway/routing/sessions.py): its backend, its prompt as the
+    number of hashed blocks and the hash of the last one, and how many blocks that backend's index had evicted
+    then (what came in after it is counted from there)."""
 
     backend: Backend
     blocks: int
     last_hash: int
+    evicted_blocks: int
+
+    def pushed_out(self) -> int:
+        """Blocks the backend's index evicted since the visit: newer content, which pushes this out in turn."""
+        return self.backend.index.evicted_blocks - self.evicted_blocks
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,7 @@ class RoutingRequest:
 
     def visit(self, backend: Backend) -> Visit:
         """This request as its session's last visit, to `backend`."""
-        return Visit(backend, len(self.hashes), self.hashes[-1] if self.hashes else 0)
+        return Visit(backend, len(self.hashes), self.hashes[-1] if self.hashes else 0, backend.index.evicted_blocks)
 
 
 @dataclass(frozen=True)

@@ -50,12 +50,14 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   the tokens of this prompt that `b` computed for the key's last request -- when that request went to `b` and this
   one continues its prompt (gateway/routing/sessions.py) -- beyond what `b`'s index still predicts. The engine
   computed them; the index may have forgotten them first (it models `index_kv_share` of the cache, and an idle
-  session is the least recently used), so the key tells what the index no longer can, and `session_weight`
-  (default 1, 0 turns keys off) is how far that is believed. When the index still holds the history the term is
-  0: a key never adds stickiness beyond the cache it stands for, so a key's backend keeps it exactly while a
-  held prefix would keep it (the guard rail below applies as to any request), and when moving pays the key moves
-  and is remembered at its new backend, where its history is recorded from then on. Without a key, or for a
-  request that does not continue its key's last prompt (a new conversation of the same `user`), nothing changes.
+  session is the least recently used), so the key tells what the index no longer can -- until the index has
+  evicted, since that request, as much as the engine holds beyond it (then the engine has evicted it too, and
+  the key says nothing). `session_weight` (default 1, 0 turns keys off) is how far the key is believed. When the
+  index still holds the history the term is 0: a key never adds stickiness beyond the cache it stands for, so a
+  key's backend keeps it exactly while a held prefix would keep it (the guard rail below applies as to any
+  request), and when moving pays the key moves and is remembered at its new backend, where its history is
+  recorded from then on. Without a key, or for a request that does not continue its key's last prompt (a new
+  conversation of the same `user`), nothing changes.
 
 Equal costs go to the backend whose index is emptiest, then by rotation, so new prefixes spread instead of
 piling onto the first backend.
@@ -134,7 +136,7 @@ class PrefixAware:
                 + config.decode_weight_tokens * backend.fleet_in_flight)
         continues_session = False
         if request.last_visit is not None:
-            session_blocks = request.session_blocks(backend)
+            session_blocks = self.session_blocks(backend, request)
             if session_blocks > matched_blocks:  # the session's last prompt, there beyond what the index knows
                 continues_session = True
                 cost -= config.session_weight * config.affinity_weight * \
@@ -142,6 +144,17 @@ class PrefixAware:
         if not continues_session and _starts_branch(backend, matched_blocks, request):
             cost += config.held_weight * request.block_tokens(backend.index.size_blocks)
         return cost
+
+    def session_blocks(self, backend: Backend, request: RoutingRequest) -> int:
+        """Blocks of the request that `backend` computed for its session's last prompt and probably still holds:
+        the engine keeps its whole KV capacity (or `1 / index_kv_share` times what the index models, when it did
+        not report one), so what the index evicted stays there until that much newer content has come in."""
+        blocks, visit = request.session_blocks(backend), request.last_visit
+        if not blocks or visit is None:
+            return 0
+        engine_blocks = backend.capacity_tokens * request.chars_per_token / request.block_chars \
+            if backend.capacity_tokens else backend.index.capacity_blocks / self.config.index_kv_share
+        return blocks if visit.pushed_out() + blocks <= engine_blocks else 0
 
     def queued_prefill(self, backend: Backend, uncached: int, now_s: float) -> float:
         """Our own reserved prefill, plus the engine's queue beyond what we sent (traffic from elsewhere), each
