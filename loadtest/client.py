@@ -42,6 +42,7 @@ class RequestResult:
     output_tokens: int
     replica: str | None            # x-replica-id of the replica that served it
     error: str | None
+    route: str | None = None       # x-gateway-route: why the gateway chose that replica
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ async def _chat(client: httpx2.AsyncClient, base_url: str, conversation: Convers
         answer = payload["choices"][0]["message"].get("content") or ""
         prompt, cached, output = _usage(payload.get("usage"))
         return RequestResult(0, 0, RequestKind.CHAT, start - run_start, e2e, e2e, (), prompt, cached, output,
-                             response.headers.get("x-replica-id"), None), answer
+                             response.headers.get("x-replica-id"), None, response.headers.get("x-gateway-route")), \
+            answer
     except (httpx2.HTTPError, ValueError, KeyError, IndexError) as exc:
         return _failed(RequestKind.CHAT, start - run_start, time.perf_counter() - start, _describe(exc)), ""
 
@@ -207,7 +209,7 @@ async def _chat_stream(client: httpx2.AsyncClient, base_url: str, body: dict[str
     pieces: list[str] = []
     usage: dict[str, Any] | None = None
     async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers) as response:
-        replica = response.headers.get("x-replica-id")
+        replica, route = response.headers.get("x-replica-id"), response.headers.get("x-gateway-route")
         if response.status_code != 200:
             await response.aread()
             return _failed(RequestKind.CHAT, start - run_start, time.perf_counter() - start,
@@ -233,7 +235,7 @@ async def _chat_stream(client: httpx2.AsyncClient, base_url: str, body: dict[str
     itl = tuple(later - earlier for earlier, later in zip(chunk_times, chunk_times[1:], strict=False))
     prompt, cached, output = _usage(usage)
     return RequestResult(0, 0, RequestKind.CHAT, start - run_start, ttft, e2e, itl, prompt, cached,
-                         output or len(chunk_times), replica, None), "".join(pieces)
+                         output or len(chunk_times), replica, None, route), "".join(pieces)
 
 
 async def _embed(client: httpx2.AsyncClient, base_url: str, conversation: Conversation, text: str,

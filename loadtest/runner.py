@@ -126,6 +126,10 @@ def _fleet_run(scenario: Scenario, label: str, conversations: tuple[Conversation
         progress.close()
         if state is not None:
             print(sharing_figures(front, state, len(result.results)).describe(), file=sys.stderr)
+        keyed = sum(r.route == "session" for r in result.results)
+        if keyed:
+            print(f"{label}: {keyed} of {len(result.results)} requests went to a backend their session key vouched "
+                  "for beyond its prefix index (route session)", file=sys.stderr)
         counts = None
         if label == SGLANG_ROUTER:
             # sglang-router does not relay x-replica-id; count per replica from the replicas' own counters.

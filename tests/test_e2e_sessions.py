@@ -47,7 +47,7 @@ def churn(fleet: SessionFleet, label: str) -> None:
             model=MODEL, max_tokens=1, messages=[{"role": "user", "content": text(f"{label} unrelated {i}", 2400)}])
 
 
-Turn = tuple[str, float, int, int]  # backend, the index's predicted match, prompt tokens, cached tokens
+Turn = tuple[str, str, int, int]  # backend, route, prompt tokens, cached tokens
 
 
 def converse(fleet: SessionFleet, label: str, send: Any) -> list[Turn]:
@@ -59,7 +59,7 @@ def converse(fleet: SessionFleet, label: str, send: Any) -> list[Turn]:
         raw = send(messages)
         answer = raw.parse()
         usage = answer.usage
-        seen.append((raw.headers["x-gateway-backend"], float(raw.headers["x-gateway-prefix-match"]),
+        seen.append((raw.headers["x-gateway-backend"], raw.headers["x-gateway-route"],
                      usage.prompt_tokens,
                      usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0))
         messages.append({"role": "assistant", "content": answer.choices[0].message.content})
@@ -70,8 +70,8 @@ def converse(fleet: SessionFleet, label: str, send: Any) -> list[Turn]:
 def assert_stayed_home(seen: list[Turn]) -> None:
     """One backend served every turn and had the previous turns cached, though the index had forgotten them."""
     assert len({backend for backend, _, _, _ in seen}) == 1, seen
-    for (_, _, previous_prompt, _), (_, predicted, _, cached) in zip(seen, seen[1:], strict=False):
-        assert predicted < 0.5, seen  # the index no longer knew the history: the key alone brought it here
+    for (_, _, previous_prompt, _), (_, route, _, cached) in zip(seen, seen[1:], strict=False):
+        assert route == "session", seen  # the index no longer knew the history: the key alone brought it here
         assert cached >= previous_prompt * 0.9, seen
 
 

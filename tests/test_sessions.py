@@ -10,7 +10,7 @@ from gateway.api.prompts import Endpoint, session_key
 from gateway.config import build_config
 from gateway.errors import ConfigError
 from gateway.fleet.backends import BackendSpec, Pool
-from gateway.routing.policies import Visit
+from gateway.routing.policies import Route, Visit
 from gateway.routing.policies.registry import configure
 from gateway.routing.router import Router, RoutingConfig
 from gateway.routing.sessions import Sessions
@@ -67,6 +67,13 @@ def test_session_key_brings_an_idle_conversation_home_when_the_index_forgot_it()
     assert keyless_next != keyless_home  # without a key the forgotten history looks like a new conversation
     keyed_home, keyed_next = results["agent-7"]
     assert keyed_next == keyed_home
+
+
+def test_a_request_the_key_brought_home_is_routed_as_session() -> None:
+    subject = router()
+    place(subject, turn(7, 2), "agent-7")
+    forget_everywhere(subject, turn(7, 2))
+    assert subject.place("m", subject.routing_request(turn(7, 3), "agent-7")).decision.route is Route.SESSION
 
 
 def test_session_key_is_not_believed_once_the_engine_has_evicted_what_the_index_did() -> None:

@@ -30,9 +30,10 @@ class Route(str, Enum):
     RANDOM = "random"
     POWER_OF_TWO = "power-of-two"
     OWNER = "owner"                  # it holds the stored response the request continues (gateway/api/responses.py)
+    SESSION = "session"              # its session key's history, beyond what its prefix index still predicts
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # a few 100k of them live in the session map
 class Visit:
     """Where a session key's last request went (gateway/routing/sessions.py): its backend, its prompt as the
     number of hashed blocks and the hash of the last one, and how many blocks that backend's index had evicted

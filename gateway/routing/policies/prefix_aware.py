@@ -66,7 +66,8 @@ Guard rail, with sglang-router's knobs: a backend more than `balance_abs_thresho
 `balance_rel_threshold` times above the least loaded one is not chosen while another is available. Unlike
 sglang-router's imbalance gate this never throws affinity away fleet-wide: only that backend is skipped.
 `cache_threshold` labels the route: `prefix` when the chosen backend holds the deepest match and it covers at
-least that share of the prompt, `spill` when another backend held more, `least-load` otherwise.
+least that share of the prompt, `spill` when another backend held more, `least-load` otherwise; `session` when the
+backend holds the session key's history beyond what its index predicts.
 
 With shared state (`--state`, `shared_state.py`), the in-flight requests, queued prefill and active tokens of
 the other gateway instances (`Backend.remote`, at most a flush old) count as this instance's own; their queued
@@ -125,6 +126,8 @@ class PrefixAware:
             route = Route.LEAST_LOAD
         else:
             route = Route.PREFIX if matched == deepest else Route.SPILL
+        if request.last_visit is not None and self.session_blocks(chosen, request) > matched:
+            route = Route.SESSION
         return Decision(chosen, route, matched)
 
     def cost(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> float:
