@@ -20,8 +20,10 @@ SYSTEM = text("shared agent system prompt with tool rules", 2000)
 
 
 def router(policy: str = "prefix_aware", capacity_blocks: int = 10_000, **knobs: float) -> Router:
-    pool = Pool([BackendSpec(f"http://b{i}", model="m") for i in range(3)], index_capacity_blocks=capacity_blocks,
-                retry_after_s=1)
+    # Engines reporting the KV capacity whose 85% the index models (16 tokens a block).
+    kv_tokens = round(capacity_blocks * 16 / 0.85)
+    pool = Pool([BackendSpec(f"http://b{i}", model="m", capacity_tokens=kv_tokens) for i in range(3)],
+                index_capacity_blocks=capacity_blocks, retry_after_s=1)
     for backend in pool.backends:
         backend.health_check_passed(success_threshold=1)
     return Router(pool, RoutingConfig(policy=policy, policy_config=configure(policy, knobs)))
@@ -69,6 +71,15 @@ def test_session_key_brings_an_idle_conversation_home_when_the_index_forgot_it()
     assert keyed_next == keyed_home
 
 
+def test_a_backend_that_reported_no_kv_capacity_gets_no_credit_from_a_key() -> None:
+    subject = router()
+    for backend in subject.pool.backends:
+        backend.capacity_tokens = None
+    place(subject, turn(7, 2), "agent-7")
+    forget_everywhere(subject, turn(7, 2))
+    assert subject.place("m", subject.routing_request(turn(7, 3), "agent-7")).decision.route is not Route.SESSION
+
+
 def test_a_request_the_key_brought_home_is_routed_as_session() -> None:
     subject = router()
     place(subject, turn(7, 2), "agent-7")
@@ -79,7 +90,7 @@ def test_a_request_the_key_brought_home_is_routed_as_session() -> None:
 def test_session_key_is_not_believed_once_the_engine_has_evicted_what_the_index_did() -> None:
     decisions = {}
     for key in (None, "agent-8"):
-        subject = router(capacity_blocks=400)  # the engine holds 400 / 0.85 = 470 blocks
+        subject = router(capacity_blocks=400)  # the engine keeps 400 blocks of prefixes, as the index models
         home = next(b for b in subject.pool.backends if b.url == place(subject, turn(8, 2), key))
         for i in range(10):  # 1,000 newer blocks: the index evicts the session, then so does the engine
             home.index.insert(subject.routing_request(text(f"newer traffic {i}", 6400)).hashes)

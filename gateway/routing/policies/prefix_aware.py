@@ -48,11 +48,12 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
 
 - `session_tokens(b)`: with a session key (`x-session-id`, `prompt_cache_key`, `user`: gateway/api/prompts.py),
   the tokens of this prompt that `b` computed for the key's last request -- when that request went to `b` and this
-  one continues its prompt (gateway/routing/sessions.py) -- beyond what `b`'s index still predicts. The engine
-  computed them; the index may have forgotten them first (it models `index_kv_share` of the cache, and an idle
-  session is the least recently used), so the key tells what the index no longer can -- until the index has
-  evicted, since that request, as much as the engine holds beyond it (then the engine has evicted it too, and
-  the key says nothing). `session_weight` (default 1, 0 turns keys off) is how far the key is believed. When the
+  one continues its prompt (gateway/routing/sessions.py) -- beyond what `b`'s index predicts. The index can know
+  less than the engine holds: one request records at most a quarter of it (a long agent context keeps only its
+  head there), and `--max-tree-size` may bound it below the engine's cache. The key is believed until `b`'s index
+  has evicted, since that request, as much as the engine keeps for prefixes (`index_kv_share` of its reported KV
+  capacity; a backend that reported none gets no credit): then the engine has evicted it too. `session_weight`
+  (default 1, 0 turns keys off) is how far the key is believed. When the
   index still holds the history the term is 0: a key never adds stickiness beyond the cache it stands for, so a
   key's backend keeps it exactly while a held prefix would keep it (the guard rail below applies as to any
   request), and when moving pays the key moves and is remembered at its new backend, where its history is
@@ -150,13 +151,16 @@ class PrefixAware:
 
     def session_blocks(self, backend: Backend, request: RoutingRequest) -> int:
         """Blocks of the request that `backend` computed for its session's last prompt and probably still holds:
-        the engine keeps its whole KV capacity (or `1 / index_kv_share` times what the index models, when it did
-        not report one), so what the index evicted stays there until that much newer content has come in."""
+        the engine keeps `index_kv_share` of its KV capacity for prefixes (the rest runs requests; the index's own
+        model, which a `--max-tree-size` below it leaves short), so what the index evicted stays there until that
+        much newer content has come in."""
         blocks, visit = request.session_blocks(backend), request.last_visit
         if not blocks or visit is None:
             return 0
-        engine_blocks = backend.capacity_tokens * request.chars_per_token / request.block_chars \
-            if backend.capacity_tokens else backend.index.capacity_blocks / self.config.index_kv_share
+        if not backend.capacity_tokens:
+            return 0  # the index models all there is to know of the engine's cache
+        engine_blocks = backend.capacity_tokens * self.config.index_kv_share * request.chars_per_token \
+            / request.block_chars
         return blocks if visit.pushed_out() + blocks <= engine_blocks else 0
 
     def queued_prefill(self, backend: Backend, uncached: int, now_s: float) -> float:
