@@ -9,17 +9,18 @@ import pytest
 from gateway.api.prompts import Endpoint, session_key
 from gateway.config import build_config
 from gateway.errors import ConfigError
-from gateway.fleet.backends import BackendSpec, Pool
+from gateway.fleet.backends import Backend, BackendSpec, Pool
 from gateway.routing.policies import Route, Visit
 from gateway.routing.policies.registry import configure
 from gateway.routing.router import Router, RoutingConfig
 from gateway.routing.sessions import Sessions
 from tests.policy_fixtures import make_backends, text
 
-SYSTEM = text("shared agent system prompt with tool rules", 2000)
+SYSTEM = text("shared agent system prompt with tool rules", 2000)  # 31 blocks
+INDEX_BLOCKS = 120  # a request records at most 30 blocks: of an agent's long context, the shared system prompt
 
 
-def router(policy: str = "prefix_aware", capacity_blocks: int = 10_000, **knobs: float) -> Router:
+def router(policy: str = "prefix_aware", capacity_blocks: int = INDEX_BLOCKS, **knobs: float) -> Router:
     # Engines reporting the KV capacity whose 85% the index models (16 tokens a block).
     kv_tokens = round(capacity_blocks * 16 / 0.85)
     pool = Pool([BackendSpec(f"http://b{i}", model="m", capacity_tokens=kv_tokens) for i in range(3)],
@@ -41,59 +42,67 @@ def place(subject: Router, prompt: str, key: str | None = None) -> str:
     return placement.backend.url
 
 
-def forget_everywhere(subject: Router, prompt: str) -> None:
-    """Every index forgets the prompt past the shared system prompt, as an LRU-bounded index does for an idle
-    session while the engine, which keeps more, still holds it."""
-    hashes, keep = subject.routing_request(prompt).hashes, len(subject.routing_request(SYSTEM).hashes)
-    for backend in subject.pool.backends:
-        backend.index.truncate(hashes, keep)
+def backend(subject: Router, url: str) -> Backend:
+    return next(b for b in subject.pool.backends if b.url == url)
 
 
-def crowd(subject: Router, home: str) -> None:
-    """The system prompt everywhere, and other conversations' history on `home`: a new branch settles elsewhere."""
-    for other in subject.pool.backends:
-        other.index.insert(subject.routing_request(SYSTEM).hashes)
-    backend = next(b for b in subject.pool.backends if b.url == home)
-    backend.index.insert(subject.routing_request(SYSTEM + text("other conversations", 40_000)).hashes)
+def other_conversations(subject: Router, home: str) -> None:
+    """Every backend holds the recorded head of the system prompt, as other conversations left it; `home` also
+    holds another conversation's history below it, so there a new branch would be charged."""
+    head = subject.routing_request(SYSTEM).hashes[:INDEX_BLOCKS // 4]
+    for each in subject.pool.backends:
+        each.index.insert(head)
+    backend(subject, home).index.insert(subject.routing_request(turn(99, 1)).hashes[:INDEX_BLOCKS // 4 + 20])
 
 
-def test_session_key_brings_an_idle_conversation_home_when_the_index_forgot_it() -> None:
+def test_session_key_finds_the_backend_holding_a_context_longer_than_the_index_records() -> None:
     results = {}
     for key in (None, "agent-7"):
         subject = router()
         home = place(subject, turn(7, 2), key)
-        forget_everywhere(subject, turn(7, 2))
-        crowd(subject, home)
+        other_conversations(subject, home)
         results[key] = (home, place(subject, turn(7, 3), key))
     keyless_home, keyless_next = results[None]
-    assert keyless_next != keyless_home  # without a key the forgotten history looks like a new conversation
+    assert keyless_next != keyless_home  # the index knows only the shared head: a new conversation, to it
     keyed_home, keyed_next = results["agent-7"]
     assert keyed_next == keyed_home
 
 
-def test_a_backend_that_reported_no_kv_capacity_gets_no_credit_from_a_key() -> None:
-    subject = router()
-    for backend in subject.pool.backends:
-        backend.capacity_tokens = None
-    place(subject, turn(7, 2), "agent-7")
-    forget_everywhere(subject, turn(7, 2))
-    assert subject.place("m", subject.routing_request(turn(7, 3), "agent-7")).decision.route is not Route.SESSION
-
-
 def test_a_request_the_key_brought_home_is_routed_as_session() -> None:
     subject = router()
-    place(subject, turn(7, 2), "agent-7")
-    forget_everywhere(subject, turn(7, 2))
+    home = place(subject, turn(7, 2), "agent-7")
+    other_conversations(subject, home)
     assert subject.place("m", subject.routing_request(turn(7, 3), "agent-7")).decision.route is Route.SESSION
 
 
-def test_session_key_is_not_believed_once_the_engine_has_evicted_what_the_index_did() -> None:
+def test_a_backend_that_reported_no_kv_capacity_gets_no_credit_from_a_key() -> None:
+    subject = router()
+    for each in subject.pool.backends:
+        each.capacity_tokens = None
+    home = place(subject, turn(7, 2), "agent-7")
+    other_conversations(subject, home)
+    assert subject.place("m", subject.routing_request(turn(7, 3), "agent-7")).decision.route is not Route.SESSION
+
+
+def test_session_key_is_not_believed_once_the_index_lost_what_it_recorded() -> None:
     decisions = {}
     for key in (None, "agent-8"):
-        subject = router(capacity_blocks=400)  # the engine keeps 400 blocks of prefixes, as the index models
-        home = next(b for b in subject.pool.backends if b.url == place(subject, turn(8, 2), key))
-        for i in range(10):  # 1,000 newer blocks: the index evicts the session, then so does the engine
-            home.index.insert(subject.routing_request(text(f"newer traffic {i}", 6400)).hashes)
+        subject = router()
+        home = place(subject, turn(8, 2), key)
+        other_conversations(subject, home)
+        backend(subject, home).index.clear()  # evicted there, so the engine evicted the rest too
+        decisions[key] = place(subject, turn(8, 3), key)
+    assert decisions[None] == decisions["agent-8"]
+
+
+def test_session_key_is_not_believed_once_the_engine_has_pushed_it_out() -> None:
+    decisions = {}
+    for key in (None, "agent-8"):
+        subject = router()
+        home = place(subject, turn(8, 2), key)
+        for i in range(10):  # newer content: the engine's 120 blocks of prefixes hold no longer the session's tail
+            backend(subject, home).index.insert(subject.routing_request(text(f"newer traffic {i}", 1280)).hashes)
+        other_conversations(subject, home)
         decisions[key] = place(subject, turn(8, 3), key)
     assert decisions[None] == decisions["agent-8"]
 
@@ -101,10 +110,9 @@ def test_session_key_is_not_believed_once_the_engine_has_evicted_what_the_index_
 def test_session_key_moves_when_its_backend_is_overloaded_and_follows_the_move() -> None:
     subject = router()
     home = place(subject, turn(1, 2), "agent-1")
-    forget_everywhere(subject, turn(1, 2))
-    backend = next(b for b in subject.pool.backends if b.url == home)
+    other_conversations(subject, home)
     for _ in range(8):  # a long queue of prefill: waiting there costs more than recomputing the history
-        backend.reserve(20_000, ())
+        backend(subject, home).reserve(20_000, ())
     moved = place(subject, turn(1, 3), "agent-1")
     assert moved != home
     key = subject.routing_request("", "agent-1").session
@@ -123,7 +131,7 @@ def test_session_key_never_sends_requests_to_a_backend_the_guard_rail_skips() ->
 def test_without_keys_decisions_are_those_of_a_gateway_that_ignores_keys() -> None:
     rng = random.Random(5)
     prompts = [turn(rng.randrange(6), rng.randrange(1, 5)) for _ in range(60)]
-    following, ignoring = router(), router(session_weight=0.0)
+    following, ignoring = router(capacity_blocks=10_000), router(capacity_blocks=10_000, session_weight=0.0)
     assert following.sessions is not None and ignoring.sessions is None
     assert [place(following, p) for p in prompts] == [place(ignoring, p) for p in prompts]
 
@@ -131,8 +139,7 @@ def test_without_keys_decisions_are_those_of_a_gateway_that_ignores_keys() -> No
 def test_a_key_weighs_only_for_a_request_continuing_its_last_prompt() -> None:
     keyed, keyless = router(), router()
     for subject, key in ((keyed, "user-alice"), (keyless, None)):
-        place(subject, turn(1, 2), key)
-        forget_everywhere(subject, turn(1, 2))
+        other_conversations(subject, place(subject, turn(1, 2), key))
     # The same user's other conversation: not a continuation, so the key changes nothing.
     assert place(keyed, turn(2, 2), "user-alice") == place(keyless, turn(2, 2))
 
@@ -147,9 +154,9 @@ def test_session_map_forgets_the_least_recently_used_key_first() -> None:
     backend = make_backends(1)[0]
     sessions = Sessions(max_keys=2, ttl_s=60.0)
     for key in (1, 2):
-        sessions.visited(key, Visit(backend, 1, key, 0))
-    sessions.visited(1, Visit(backend, 2, 1, 0))  # key 1 used again: key 2 is now the oldest
-    sessions.visited(3, Visit(backend, 1, 3, 0))
+        sessions.visited(key, Visit(backend, 1, key, 1, 0))
+    sessions.visited(1, Visit(backend, 2, 1, 1, 0))  # key 1 used again: key 2 is now the oldest
+    sessions.visited(3, Visit(backend, 1, 3, 1, 0))
     assert len(sessions) == 2 and sessions.last_visit(2) is None and sessions.last_visit(1) is not None
 
 
@@ -157,12 +164,12 @@ def test_session_map_forgets_keys_idle_longer_than_the_ttl() -> None:
     now = [0.0]
     backend = make_backends(1)[0]
     sessions = Sessions(max_keys=10, ttl_s=5.0, clock=lambda: now[0])
-    sessions.visited(1, Visit(backend, 1, 1, 0))
+    sessions.visited(1, Visit(backend, 1, 1, 1, 0))
     now[0] = 4.0
-    sessions.visited(2, Visit(backend, 1, 2, 0))
+    sessions.visited(2, Visit(backend, 1, 2, 1, 0))
     now[0] = 6.0
     assert sessions.last_visit(1) is None and sessions.last_visit(2) is not None
-    sessions.visited(3, Visit(backend, 1, 3, 0))
+    sessions.visited(3, Visit(backend, 1, 3, 1, 0))
     assert len(sessions) == 2
 
 

@@ -48,6 +48,7 @@ from redis.exceptions import RedisError
 
 from gateway.fleet.backends import Backend, Pool, RemoteLoad
 from gateway.routing.policies import Visit
+from gateway.routing.router import claimed
 from gateway.routing.sessions import Sessions
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,8 @@ def apply_update(backends: dict[int, Backend], kind: int, backend: int, hashes: 
             return False
         key, blocks, last_hash = hashes
         # Eviction counts differ between instances: counted from now, a publication's delay late.
-        sessions.visited(key, Visit(target, blocks, last_hash, target.index.evicted_blocks))
+        recorded = min(blocks, len(claimed(target, range(blocks))))
+        sessions.visited(key, Visit(target, blocks, last_hash, recorded, target.index.evicted_blocks))
     elif kind == PLACED:
         target.index.insert(hashes)
     elif kind == CORRECTED:

@@ -127,7 +127,7 @@ class Router:
             return self._reserve(self.policy.choose(candidates, request), request)
         request = replace(request, last_visit=sessions.last_visit(key))
         decision = self.policy.choose(candidates, request)
-        visit = request.visit(decision.backend)
+        visit = request.visit(decision.backend, len(claimed(decision.backend, request.hashes)))
         sessions.visited(key, visit)  # the key follows its request
         decision.backend.publisher.session_visited(decision.backend, key, visit.blocks, visit.last_hash)
         return self._reserve(decision, request)
@@ -156,6 +156,11 @@ MAX_RECORD_SHARE = 0.25
 def record(backend: Backend, hashes: Sequence[int]) -> None:
     """Record that the backend will cache this prompt, as much of it as one request may claim, and tell the
     other gateway instances when state is shared."""
-    claimed = hashes[: max(1, int(backend.index.capacity_blocks * MAX_RECORD_SHARE))]
-    backend.index.insert(claimed)
-    backend.publisher.placed(backend, claimed)
+    head = claimed(backend, hashes)
+    backend.index.insert(head)
+    backend.publisher.placed(backend, head)
+
+
+def claimed(backend: Backend, hashes: Sequence[int]) -> Sequence[int]:
+    """The head of a prompt one request may record in the backend's index."""
+    return hashes[: max(1, int(backend.index.capacity_blocks * MAX_RECORD_SHARE))]

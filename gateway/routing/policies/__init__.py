@@ -35,13 +35,14 @@ class Route(str, Enum):
 
 @dataclass(frozen=True, slots=True)  # a few 100k of them live in the session map
 class Visit:
-    """Where a session key's last request went (gateway/routing/sessions.py): its backend, its prompt as the
-    number of hashed blocks and the hash of the last one, and how many blocks that backend's index had evicted
-    then (what came in after it is counted from there)."""
+    """Where a session key's last request went (gateway/routing/sessions.py): its backend; its prompt as the
+    number of hashed blocks, the hash of the last one and how many of them the backend's index recorded (a request
+    claims at most a quarter of an index); and how many blocks that index had evicted then."""
 
     backend: Backend
     blocks: int
     last_hash: int
+    recorded_blocks: int
     evicted_blocks: int
 
     def pushed_out(self) -> int:
@@ -88,9 +89,10 @@ class RoutingRequest:
             return 0
         return visit.blocks if self.hashes[visit.blocks - 1] == visit.last_hash else 0
 
-    def visit(self, backend: Backend) -> Visit:
-        """This request as its session's last visit, to `backend`."""
-        return Visit(backend, len(self.hashes), self.hashes[-1] if self.hashes else 0, backend.index.evicted_blocks)
+    def visit(self, backend: Backend, recorded_blocks: int) -> Visit:
+        """This request as its session's last visit, to `backend`, whose index recorded its first blocks."""
+        return Visit(backend, len(self.hashes), self.hashes[-1] if self.hashes else 0, recorded_blocks,
+                     backend.index.evicted_blocks)
 
 
 @dataclass(frozen=True)

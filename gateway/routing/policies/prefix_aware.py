@@ -48,17 +48,16 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
 
 - `session_tokens(b)`: with a session key (`x-session-id`, `prompt_cache_key`, `user`: gateway/api/prompts.py),
   the tokens of this prompt that `b` computed for the key's last request -- when that request went to `b` and this
-  one continues its prompt (gateway/routing/sessions.py) -- beyond what `b`'s index predicts. The index can know
-  less than the engine holds: one request records at most a quarter of it (a long agent context keeps only its
-  head there), and `--max-tree-size` may bound it below the engine's cache. The key is believed until `b`'s index
-  has evicted, since that request, as much as the engine keeps for prefixes (`index_kv_share` of its reported KV
-  capacity; a backend that reported none gets no credit): then the engine has evicted it too. `session_weight`
-  (default 1, 0 turns keys off) is how far the key is believed. When the
-  index still holds the history the term is 0: a key never adds stickiness beyond the cache it stands for, so a
-  key's backend keeps it exactly while a held prefix would keep it (the guard rail below applies as to any
-  request), and when moving pays the key moves and is remembered at its new backend, where its history is
-  recorded from then on. Without a key, or for a request that does not continue its key's last prompt (a new
-  conversation of the same `user`), nothing changes.
+  one continues its prompt (gateway/routing/sessions.py) -- beyond what `b`'s index predicts. One request records
+  at most a quarter of an index, so of a long context (an agent's) the index knows only the head, often a system
+  prompt every conversation shares: the key knows which backend holds the rest. It is believed while `b`'s index
+  still holds the head it recorded, and until that index has evicted, since, as much as the engine keeps for
+  prefixes (`index_kv_share` of its reported KV capacity; a backend that reported none gets no credit): then the
+  engine has evicted the rest too. `session_weight` (default 1, 0 turns keys off) is how far the key is believed.
+  Where the index holds the whole history the term is 0: a key never adds stickiness beyond the cache it stands
+  for, so a key's backend keeps it exactly while a held prefix would keep it (the guard rail below applies as to
+  any request), and when moving pays the key moves and is remembered at its new backend. Without a key, or for a
+  request that does not continue its key's last prompt (a new conversation of the same `user`), nothing changes.
 
 Equal costs go to the backend whose index is emptiest, then by rotation, so new prefixes spread instead of
 piling onto the first backend.
@@ -127,7 +126,7 @@ class PrefixAware:
             route = Route.LEAST_LOAD
         else:
             route = Route.PREFIX if matched == deepest else Route.SPILL
-        if request.last_visit is not None and self.session_blocks(chosen, request) > matched:
+        if request.last_visit is not None and self.session_blocks(chosen, matched, request) > matched:
             route = Route.SESSION
         return Decision(chosen, route, matched)
 
@@ -140,7 +139,7 @@ class PrefixAware:
                 + config.decode_weight_tokens * backend.fleet_in_flight)
         continues_session = False
         if request.last_visit is not None:
-            session_blocks = self.session_blocks(backend, request)
+            session_blocks = self.session_blocks(backend, matched_blocks, request)
             if session_blocks > matched_blocks:  # the session's last prompt, there beyond what the index knows
                 continues_session = True
                 cost -= config.session_weight * config.affinity_weight * \
@@ -149,16 +148,14 @@ class PrefixAware:
             cost += config.held_weight * request.block_tokens(backend.index.size_blocks)
         return cost
 
-    def session_blocks(self, backend: Backend, request: RoutingRequest) -> int:
+    def session_blocks(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> int:
         """Blocks of the request that `backend` computed for its session's last prompt and probably still holds:
-        the engine keeps `index_kv_share` of its KV capacity for prefixes (the rest runs requests; the index's own
-        model, which a `--max-tree-size` below it leaves short), so what the index evicted stays there until that
-        much newer content has come in."""
+        while its index still holds the part of that prompt it recorded (the engine keeps what the index does),
+        and until the index has evicted, since, as much as the engine keeps for prefixes (`index_kv_share` of its
+        reported KV capacity): then the rest is gone from the engine too."""
         blocks, visit = request.session_blocks(backend), request.last_visit
-        if not blocks or visit is None:
+        if not blocks or visit is None or matched_blocks < visit.recorded_blocks or not backend.capacity_tokens:
             return 0
-        if not backend.capacity_tokens:
-            return 0  # the index models all there is to know of the engine's cache
         engine_blocks = backend.capacity_tokens * self.config.index_kv_share * request.chars_per_token \
             / request.block_chars
         return blocks if visit.pushed_out() + blocks <= engine_blocks else 0
