@@ -20,16 +20,11 @@ _ROOT_SEED = 0x5EED
 
 def block_hashes(text: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> list[int]:
     """Chained xxh3-64 hashes of the full `block_chars`-character blocks of `text`, in order."""
-    hashes: list[int] = []
     seed = _ROOT_SEED
     digest = xxhash.xxh3_64_intdigest
-    if text.isascii():  # one character per byte: encode once and hash views of it (the common case, ~3x faster)
-        data = memoryview(text.encode("ascii"))
-        for start in range(0, len(data) - block_chars + 1, block_chars):
-            seed = digest(data[start:start + block_chars], seed)
-            hashes.append(seed)
-        return hashes
-    for start in range(0, len(text) - block_chars + 1, block_chars):
-        seed = digest(text[start:start + block_chars].encode("utf-8", "surrogatepass"), seed)
-        hashes.append(seed)
-    return hashes
+    if text.isascii():  # one character per byte: encode once and hash slices of it (the common case, ~3x faster)
+        data = text.encode("ascii")
+        return [seed := digest(data[start:start + block_chars], seed)
+                for start in range(0, len(data) - block_chars + 1, block_chars)]
+    return [seed := digest(text[start:start + block_chars].encode("utf-8", "surrogatepass"), seed)
+            for start in range(0, len(text) - block_chars + 1, block_chars)]
