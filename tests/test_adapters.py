@@ -40,21 +40,23 @@ def fleet(*listings: ModelInfo) -> Pool:
 def test_vllm_lists_its_lora_modules_as_adapters_of_the_base_model() -> None:
     found = asyncio.run(discover_model(FakeFetcher({"/v1/models": fixture("vllm", "v1_models_lora.json")}), URL, 1.0))
     assert found is not None and found.model == "tiny-llama" and found.card["max_model_len"] == 2048
-    assert found.adapters == {"sql-lora", "chat-lora"}
+    assert {name: entry["parent"] for name, entry in found.others.items()} == {"sql-lora": "tiny-llama",
+                                                                                 "chat-lora": "tiny-llama"}
     assert found.others["sql-lora"]["root"] == "/adapters/sql-lora"
 
 
 def test_sglang_lists_its_lora_paths_as_adapters_of_the_served_model() -> None:
     found = asyncio.run(discover_model(FakeFetcher({"/v1/models": fixture("sglang", "v1_models_lora.json")}), URL,
                                        1.0))
-    assert found is not None and found.model == "tiny-llama" and found.adapters == {"sql-lora"}
+    assert found is not None and found.model == "tiny-llama"
+    assert list(found.others) == ["sql-lora"] and found.others["sql-lora"]["parent"] == "tiny-llama"
 
 
 def test_the_base_model_is_the_first_entry_that_is_not_an_adapter() -> None:
     data = [card("sql-lora", "llama"), card("llama"), card("llama-alias")]
     found = asyncio.run(discover_model(FakeFetcher({"/v1/models": json.dumps({"data": data})}), URL, 1.0))
     assert found is not None and found.model == "llama"
-    assert found.adapters == {"sql-lora"} and set(found.others) == {"sql-lora", "llama-alias"}
+    assert set(found.others) == {"sql-lora", "llama-alias"}
 
 
 def test_adapter_requests_go_only_to_backends_that_serve_the_adapter() -> None:
@@ -91,7 +93,7 @@ def test_adapters_that_come_and_go_keep_the_base_models_cache() -> None:
     backend.index.insert(block_hashes(PROMPT))
     assert backend.discovered_model(listing("llama", "sql", "chat"))
     assert not backend.discovered_model(listing("llama", "sql", "chat"))
-    assert backend.adapters == {"sql", "chat"} and backend.index.size_blocks > 0
+    assert set(backend.other_models) == {"sql", "chat"} and backend.index.size_blocks > 0
 
 
 def test_the_same_prompt_under_two_adapters_shares_no_block_hash() -> None:
@@ -101,6 +103,13 @@ def test_the_same_prompt_under_two_adapters_shares_no_block_hash() -> None:
     assert len(under_sql) == len(under_chat) == len(base) == len(PROMPT) // 64
     assert not set(under_sql) & set(under_chat) and not set(under_sql) & set(base)
     assert block_hashes(PROMPT, seed=ROOT_SEED) == base
+
+
+def test_a_server_of_several_models_has_each_indexed_apart() -> None:
+    pool = fleet(ModelInfo("llama", card("llama"), {"qwen": card("qwen")}))  # one server, two models
+    router = Router(pool, RoutingConfig())
+    router.place("llama", router.routing_request(PROMPT, "llama")).finish()
+    assert pool.backends[0].index.match(router.routing_request(PROMPT, "qwen").hashes) == 0
 
 
 def test_the_router_hashes_an_adapters_prompt_apart_and_the_base_models_as_ever() -> None:

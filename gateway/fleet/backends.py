@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.errors import BadRequest, ModelNotFound, NoHealthyBackend
-from gateway.fleet.engines import Engine, EngineInfo, ModelInfo, is_adapter
+from gateway.fleet.engines import Engine, EngineInfo, ModelInfo
 from gateway.fleet.outlier import FAILED_STATUSES, Ejection, Outlier, OutlierConfig
 from gateway.fleet.upstream import Failure
 from gateway.routing.backlog import PendingPrefill, PrefillBacklog
@@ -105,9 +105,8 @@ class Backend:
     index: PrefixIndex
     model: str | None = None
     model_card: dict[str, Any] = field(default_factory=dict)  # the backend's own /v1/models entry
-    # The other models it serves, by id -> its /v1/models entry: LoRA adapters of `model` and other names of it
+    # The other models it serves, by id -> its /v1/models entry: LoRA adapters of `model`, other names of it
     other_models: dict[str, dict[str, Any]] = field(default_factory=dict)
-    adapters: frozenset[str] = frozenset()  # those of `other_models` that are adapters: prompts cached apart
     engine: Engine | None = None  # None until discovered
     embedding: bool | None = None  # serves an embedding model; None: its engine does not say
     healthy: bool = False
@@ -250,7 +249,6 @@ class Backend:
             logger.info("backend %s serves %s besides %s", self.url, ", ".join(sorted(others)) or "nothing",
                         self.model)
         self.other_models = others
-        self.adapters = frozenset(name for name in others if is_adapter(others[name]))
 
     def discovered_engine(self, found: EngineInfo, index_capacity_blocks: Callable[[int | None], int]) -> None:
         """The engine and its KV capacity (a configured capacity wins); the prefix index is bounded to match."""
@@ -307,8 +305,8 @@ class Backend:
 
 
 def sglang_adapter(requested: str | None, lora_path: Any, adapters: Mapping[str, int]) -> str | None:
-    """The adapter a request names SGLang's ways, if it is one the fleet serves: `model` as "base:adapter"
-    first (SGLang's priority), then a `lora_path` field naming an adapter; None otherwise."""
+    """The LoRA adapter a request names SGLang's ways, if it is one of `adapters`: `model` as "base:adapter"
+    first (SGLang's priority), then a `lora_path` field naming it; None otherwise."""
     if requested is not None and ":" in requested:
         adapter = requested.rsplit(":", 1)[1]
         if adapter in adapters:
@@ -325,13 +323,14 @@ class Pool:
         self.backends = [Backend(spec, PrefixIndex(index_capacity_blocks, clock), model=spec.model,
                                  capacity_tokens=spec.capacity_tokens, outlier=Outlier(outlier)) for spec in specs]
         self._retry_after_s = retry_after_s
-        # The seed of each LoRA adapter's block hashes (hashing.py): its prompts are cached apart from the base
-        # model's and from every other adapter's, so they are indexed apart. Base models hash unseeded.
-        self.adapter_seeds: dict[str, int] = {}
+        # The block-hash seed (hashing.py) of each model a backend serves beside its first: a LoRA adapter, or
+        # another model of a multi-model server. The engine caches each apart, so the index keeps them apart; a
+        # backend's first model hashes from the root seed, as in a fleet of one model per backend.
+        self.model_seeds: dict[str, int] = {}
 
     def models_changed(self) -> None:
-        """A backend's discovery changed what it serves: learn the adapters anew."""
-        self.adapter_seeds = {name: namespace_seed(name) for b in self.backends for name in b.adapters}
+        """A backend's discovery changed what it serves: learn the seeds anew."""
+        self.model_seeds = {name: namespace_seed(name) for b in self.backends for name in b.other_models}
 
     def models(self, healthy_only: bool = True) -> list[str]:
         names: set[str] = set()
@@ -352,7 +351,7 @@ class Pool:
                     return requested
         known = self.models(healthy_only=False)
         if lora_path is not None or (requested is not None and requested not in known):
-            requested = sglang_adapter(requested, lora_path, self.adapter_seeds) or requested
+            requested = sglang_adapter(requested, lora_path, self.model_seeds) or requested
         if requested is not None:
             if requested in known:
                 return requested

@@ -48,18 +48,13 @@ class Fetcher(Protocol):
 class ModelInfo:
     model: str
     card: dict[str, Any]  # the backend's own /v1/models entry, relayed by the gateway's /v1/models
-    # The listing's other entries by id: LoRA adapters (an entry with a `parent`, as vLLM lists `--lora-modules`
-    # and SGLang `--lora-paths`) and further names of the same model (vLLM's `--served-model-name a b`).
+    # The listing's other entries by id: LoRA adapters (entries with a `parent`, as vLLM lists `--lora-modules`
+    # and SGLang `--lora-paths`), other names of the model (vLLM's `--served-model-name a b`), other models.
     others: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    @property
-    def adapters(self) -> frozenset[str]:
-        return frozenset(name for name, card in self.others.items() if is_adapter(card))
 
-
-def is_adapter(card: dict[str, Any]) -> bool:
-    """A /v1/models entry for a LoRA adapter: it names the model it adapts. The engine keys its prefix cache by
-    adapter, so a prompt cached under one is not cached under another, nor under the base model."""
+def is_lora_adapter(card: dict[str, Any]) -> bool:
+    """A /v1/models entry for a LoRA adapter: it names the model it adapts as its `parent`."""
     return isinstance(card.get("parent"), str) and bool(card["parent"])
 
 
@@ -219,12 +214,12 @@ async def discover_model(client: Fetcher, url: str, timeout_s: float) -> ModelIn
 
 
 def read_listing(data: list[Any]) -> ModelInfo | None:
-    """The model of a /v1/models listing: its first entry that is not an adapter (engines list the base model
-    first), with every other entry beside it."""
+    """The model of a /v1/models listing: its first entry that is not a LoRA adapter (engines list the base
+    model first), with every other entry beside it."""
     cards = {card["id"]: card for card in data if isinstance(card, dict) and isinstance(card.get("id"), str)}
     if not cards:
         return None
-    model = next((name for name, card in cards.items() if not is_adapter(card)), next(iter(cards)))
+    model = next((name for name, card in cards.items() if not is_lora_adapter(card)), next(iter(cards)))
     card = cards.pop(model)
     return ModelInfo(model, card, cards)
 

@@ -11,7 +11,9 @@ as engines only reuse full blocks.
 
 A prompt under a LoRA adapter is cached apart by the engines (vLLM adds the adapter to every block's hash, SGLang
 keys its radix tree by it), so its chain starts from the adapter's own seed (`namespace_seed`): the same text
-under two adapters shares no hash, and a base-model prompt hashes from the root seed as ever.
+under two adapters shares no hash, and a base-model prompt hashes from the root seed as ever. Every model a
+backend serves beside its first is seeded so (`Pool.model_seeds`): another model of a multi-model server has a
+cache of its own too, and another name of the same model merely predicts a miss where the engine would hit.
 """
 
 from __future__ import annotations

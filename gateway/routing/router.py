@@ -105,7 +105,7 @@ class Router:
         self.default_model = default_model
 
     def routing_request(self, text: str, model: str | None = None) -> RoutingRequest:
-        seed = self.pool.adapter_seeds.get(model, ROOT_SEED) if model else ROOT_SEED  # an adapter's own chains
+        seed = self.pool.model_seeds.get(model, ROOT_SEED) if model else ROOT_SEED  # e.g. a LoRA adapter's own
         return RoutingRequest(block_hashes(text, self.config.block_chars, seed), len(text),
                               self.config.block_chars, self.config.chars_per_token)
 
