@@ -21,13 +21,12 @@ from __future__ import annotations
 import xxhash
 
 DEFAULT_BLOCK_CHARS = 64
-
-
 ROOT_SEED = 0x5EED
 
 
 def namespace_seed(name: str) -> int:
-    """The seed of the chains cached under `name` (a LoRA adapter), the same in every gateway instance."""
+    """The seed of the chains cached under the model `name` (a LoRA adapter, say), the same in every gateway
+    instance."""
     return xxhash.xxh3_64_intdigest(name.encode("utf-8", "surrogatepass"), ROOT_SEED)
 
 
