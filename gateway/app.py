@@ -131,7 +131,7 @@ class Gateway:
         try:
             exchange = await self.parse(request, RELAYED_PATHS[request.path])
             exchange = self.rewrite(exchange, opted_out=not enabled_for(request.headers))
-            routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body))
+            routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body), exchange.model)
             placement, upstream = await self.forward(exchange, routing, request)
             return await self.relay_answer(request, exchange, placement, upstream)
         finally:
@@ -158,7 +158,7 @@ class Gateway:
             body = read_json(raw, endpoint)
         else:  # an upload: never decoded, only its small fields are looked up
             body = multipart_fields(raw, request.headers.get("content-type", ""))
-        model = self.router.resolve_model(body.get("model"))
+        model = self.router.resolve_model(body.get("model"), body.get("lora_path"))
         request[MODEL] = model
         owner = await self.owner_of(body.get("previous_response_id"), "previous_response_id", model) \
             if endpoint is Endpoint.RESPONSES else None
@@ -184,7 +184,7 @@ class Gateway:
             return None
         owner = self.responses.owner(response_id)
         if owner is None:
-            candidates = [b for b in self.pool.backends if b.healthy and (model is None or b.model == model)]
+            candidates = [b for b in self.pool.backends if b.healthy and (model is None or b.serves(model))]
             if len(candidates) < 2:  # routing finds the one there is
                 return None
             owner = await locate(self.client, candidates, response_id, self.config.health.timeout_s)

@@ -12,7 +12,7 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,6 +21,7 @@ from gateway.fleet.engines import Engine, EngineInfo, ModelInfo
 from gateway.fleet.outlier import FAILED_STATUSES, Ejection, Outlier, OutlierConfig
 from gateway.fleet.upstream import Failure
 from gateway.routing.backlog import PendingPrefill, PrefillBacklog
+from gateway.routing.hashing import namespace_seed
 from gateway.routing.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class Backend:
     index: PrefixIndex
     model: str | None = None
     model_card: dict[str, Any] = field(default_factory=dict)  # the backend's own /v1/models entry
+    # The other models it serves, by id -> its /v1/models entry: LoRA adapters of `model`, other names of it
+    other_models: dict[str, dict[str, Any]] = field(default_factory=dict)
     engine: Engine | None = None  # None until discovered
     embedding: bool | None = None  # serves an embedding model; None: its engine does not say
     healthy: bool = False
@@ -221,9 +224,14 @@ class Backend:
         elif not self.healthy and self.failed_checks == 1:
             logger.warning("backend %s is not healthy: %s", self.url, reason)
 
-    def discovered_model(self, found: ModelInfo | None) -> None:
-        """What the backend's /v1/models said (None: nothing readable). A model pinned in config is kept; a
-        changed model means another engine behind the URL: its cache and engine are forgotten."""
+    def serves(self, model: str) -> bool:
+        return self.model == model or model in self.other_models
+
+    def discovered_model(self, found: ModelInfo | None) -> bool:
+        """What the backend's /v1/models said (None: nothing readable); returns whether what it serves changed.
+        A model pinned in config is kept; a changed model means another engine behind the URL: its cache and
+        engine are forgotten. Adapters come and go with the listing (vLLM and SGLang load them at run time)."""
+        before = (self.model, self.other_models.keys())
         if self.spec.model is None and found is not None and found.model != self.model:
             if self.model is not None:
                 logger.warning("backend %s now serves %s (was %s)", self.url, found.model, self.model)
@@ -232,6 +240,15 @@ class Backend:
             self.engine = None  # a new model may be a new engine: look again
         if found is not None:
             self.model_card = found.card if found.model == self.model else {}
+            self._discovered_others(found)
+        return before != (self.model, self.other_models.keys())
+
+    def _discovered_others(self, found: ModelInfo) -> None:
+        others = {name: card for name, card in found.others.items() if name != self.model}
+        if others.keys() != self.other_models.keys():
+            logger.info("backend %s serves %s besides %s", self.url, ", ".join(sorted(others)) or "nothing",
+                        self.model)
+        self.other_models = others
 
     def discovered_engine(self, found: EngineInfo, index_capacity_blocks: Callable[[int | None], int]) -> None:
         """The engine and its KV capacity (a configured capacity wins); the prefix index is bounded to match."""
@@ -271,7 +288,7 @@ class Backend:
     def describe(self) -> dict[str, Any]:
         """The read-only view served at GET /backends."""
         return {
-            "name": self.name, "url": self.url, "model": self.model,
+            "name": self.name, "url": self.url, "model": self.model, "other_models": sorted(self.other_models),
             "engine": self.engine.value if self.engine else None, "healthy": self.healthy,
             "ejected": self.outlier.ejected, "outlier": self.outlier.describe(),
             "in_flight": self.in_flight, "remote_in_flight": self.remote.in_flight,
@@ -287,6 +304,16 @@ class Backend:
         }
 
 
+def sglang_adapter(requested: str | None, lora_path: Any, adapters: Mapping[str, int]) -> str | None:
+    """The LoRA adapter a request names SGLang's ways, if it is one of `adapters`: `model` as "base:adapter"
+    first (SGLang's priority), then a `lora_path` field naming it; None otherwise."""
+    if requested is not None and ":" in requested:
+        adapter = requested.rsplit(":", 1)[1]
+        if adapter in adapters:
+            return adapter
+    return lora_path if isinstance(lora_path, str) and lora_path in adapters else None
+
+
 class Pool:
     """All configured backends, in configuration order (the order ties are broken in where a policy must)."""
 
@@ -296,15 +323,35 @@ class Pool:
         self.backends = [Backend(spec, PrefixIndex(index_capacity_blocks, clock), model=spec.model,
                                  capacity_tokens=spec.capacity_tokens, outlier=Outlier(outlier)) for spec in specs]
         self._retry_after_s = retry_after_s
+        # The block-hash seed (hashing.py) of each model a backend serves beside its first: a LoRA adapter, or
+        # another model of a multi-model server. The engine caches each apart, so the index keeps them apart; a
+        # backend's first model hashes from the root seed, as in a fleet of one model per backend.
+        self.model_seeds: dict[str, int] = {}
+
+    def models_changed(self) -> None:
+        """A backend's discovery changed what it serves: learn the seeds anew."""
+        self.model_seeds = {name: namespace_seed(name) for b in self.backends for name in b.other_models}
 
     def models(self, healthy_only: bool = True) -> list[str]:
-        return sorted({b.model for b in self.backends if b.model and (b.healthy or not healthy_only)})
+        names: set[str] = set()
+        for backend in self.backends:
+            if backend.model and (backend.healthy or not healthy_only):
+                names.add(backend.model)
+                names.update(backend.other_models)
+        return sorted(names)
 
-    def resolve_model(self, requested: str | None, default_model: str | None) -> str:
+    def resolve_model(self, requested: str | None, default_model: str | None, lora_path: Any = None) -> str:
         """The model a request is for: as named, else the default, else the only one there is. A model no
         backend serves is unknown only once every backend has said what it serves: until then it may be the
-        one still loading, and the client is told to come back (503), not that it does not exist (404)."""
+        one still loading, and the client is told to come back (503), not that it does not exist (404).
+        An adapter named SGLang's ways (`lora_path`, or `model` as "base:adapter") is the model it is for."""
+        if lora_path is None and requested is not None:
+            for backend in self.backends:  # the common case, without listing every model
+                if backend.model == requested:
+                    return requested
         known = self.models(healthy_only=False)
+        if lora_path is not None or (requested is not None and requested not in known):
+            requested = sglang_adapter(requested, lora_path, self.model_seeds) or requested
         if requested is not None:
             if requested in known:
                 return requested
@@ -335,7 +382,8 @@ class Pool:
         them, all of them (Envoy's panic routing): ejection steers traffic away from a failing backend, it never
         refuses what the backends might still serve."""
         excluded = set(exclude)
-        healthy = [b for b in self.backends if b.healthy and b.model == model and b not in excluded]
+        healthy = [b for b in self.backends
+                   if b.healthy and (b.model == model or model in b.other_models) and b not in excluded]
         return [b for b in healthy if b.outlier.admits()] or healthy
 
     def candidates(self, model: str, exclude: Iterable[Backend] = ()) -> list[Backend]:
@@ -349,9 +397,12 @@ class Pool:
         """The union of the healthy backends' model entries, one per model id, for GET /v1/models."""
         cards: dict[str, dict[str, Any]] = {}
         for backend in self.backends:
-            if backend.healthy and backend.model and backend.model not in cards:
-                cards[backend.model] = backend.model_card or {
-                    "id": backend.model, "object": "model", "created": 0, "owned_by": "prefix-gateway"}
+            if backend.healthy and backend.model:
+                if backend.model not in cards:
+                    cards[backend.model] = backend.model_card or {
+                        "id": backend.model, "object": "model", "created": 0, "owned_by": "prefix-gateway"}
+                for name, card in backend.other_models.items():
+                    cards.setdefault(name, card)
         return [cards[model] for model in sorted(cards)]
 
     def ready(self) -> bool:

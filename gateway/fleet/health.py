@@ -81,7 +81,8 @@ class Upkeep:
 
     async def _discover(self, backend: Backend) -> None:
         timeout_s = self.config.health.timeout_s
-        backend.discovered_model(await discover_model(self.client, backend.url, timeout_s))
+        if backend.discovered_model(await discover_model(self.client, backend.url, timeout_s)):
+            self.pool.models_changed()
         if backend.engine is None:
             backend.discovered_engine(await discover_engine(self.client, backend.url, timeout_s),
                                       self.config.index_capacity_blocks)
