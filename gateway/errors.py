@@ -90,6 +90,19 @@ class StoredResponseUnavailable(GatewayError):
                          code="stored_response_unavailable", param=param)
 
 
+class BackendNotFound(GatewayError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"No backend is named '{name}' (GET /admin/backends lists them).", code="backend_not_found")
+
+
+class Conflict(GatewayError):
+    status_code = 409
+    error_type = "invalid_request_error"
+
+
 class PayloadTooLarge(GatewayError):
     status_code = 413
     error_type = "invalid_request_error"
