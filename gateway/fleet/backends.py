@@ -11,6 +11,7 @@ chosen, its requests in flight finish, and it leaves (its index freed) once none
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -342,6 +343,7 @@ class Pool:
 
     def add(self, spec: BackendSpec, source: str = "config") -> Backend:
         """A new backend, out of rotation until its health checks pass; ValueError when its URL or name is taken."""
+        spec = dataclasses.replace(spec, url=spec.url.rstrip("/"))
         taken = self.find(spec.url) or (self.find(spec.name) if spec.name else None)
         if taken is not None:
             raise ValueError(f"backend {taken.name} ({taken.url}) already has that "
