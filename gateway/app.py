@@ -192,13 +192,14 @@ class Gateway:
             return None
         owner = self.responses.owner(response_id)
         if owner is None:
-            candidates = [b for b in self.pool.backends if b.healthy and (model is None or b.model == model)]
+            candidates = [b for b in self.pool.backends
+                          if b.healthy and not b.draining and (model is None or b.model == model)]
             if len(candidates) < 2:  # routing finds the one there is
                 return None
             owner = await locate(self.client, candidates, response_id, self.config.health.timeout_s)
             if owner is not None:
                 self.responses.remember(response_id, owner)
-        if owner is None or owner.healthy:
+        if owner is None or (owner.healthy and not owner.draining):  # a draining one is leaving: sent nothing new
             return owner
         raise StoredResponseUnavailable(response_id, owner.url if self.config.expose_backend_urls else owner.name,
                                         param)

@@ -85,8 +85,8 @@ class StoredResponseUnavailable(GatewayError):
 
     def __init__(self, response_id: str, backend: str, param: str | None) -> None:
         super().__init__(f"The response '{response_id}' is stored on backend {backend}, which is not available now "
-                         "(unhealthy or removed); no other backend holds it. Send the conversation again in full "
-                         "(without previous_response_id) to continue on another backend.",
+                         "(unhealthy, draining or removed); no other backend holds it. Send the conversation again in "
+                         "full (without previous_response_id) to continue on another backend.",
                          code="stored_response_unavailable", param=param)
 
 

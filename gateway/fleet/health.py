@@ -77,6 +77,8 @@ class Upkeep:
         except UpstreamFailure as exc:  # the gateway's own resources ran out: no verdict on the backend
             logger.warning("health check of %s skipped: %s", backend.url, exc.detail)
             return
+        if backend not in self.pool.backends:  # removed while its check ran: no verdict brings it back
+            return
         health = self.config.health
         if status is None or not 200 <= status < 300:
             reason = f"GET /health failed: {failure.detail}" if failure else f"GET /health answered {status}"
@@ -84,6 +86,8 @@ class Upkeep:
             backend.health_check_failed(reason, health.failure_threshold, refused=refused)
             return
         await self._discover(backend)
+        if backend not in self.pool.backends:
+            return
         if backend.model is None:
             backend.health_check_failed("its model could not be discovered", health.failure_threshold)
         else:
