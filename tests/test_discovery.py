@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import build_config
+from gateway.config import GatewayConfig, build_config
 from gateway.errors import ConfigError
 from gateway.fleet.backends import Backend, BackendSpec, Pool
 from gateway.fleet.discovery import (
@@ -21,6 +21,7 @@ from gateway.fleet.discovery import (
     diff,
     parse_backend_file,
 )
+from gateway.fleet.health import Upkeep
 from gateway.fleet.shared_state import CLEARED, apply_update, backend_id
 from gateway.observe.metrics import GatewayMetrics
 from tests.policy_fixtures import request, text
@@ -251,3 +252,38 @@ def test_the_admin_api_may_listen_anywhere_with_an_admin_key_or_on_loopback_with
     assert build_config({"admin_port": 9000, "admin_host": "::1"}, {}).admin_port == 9000
     config = build_config({"admin_port": 9000, "admin_host": "0.0.0.0", "admin_api_key": "k"}, {})
     assert config.admin_host == "0.0.0.0"
+
+
+class FakeClient:
+    """Every backend answers /health and names model "m"; nothing else."""
+
+    def __init__(self) -> None:
+        self.checked: list[str] = []
+
+    async def get_status(self, url: str, timeout_s: float) -> tuple[int, None]:
+        self.checked.append(url.removesuffix("/health"))
+        return 200, None
+
+    async def get_bytes(self, url: str, timeout_s: float) -> bytes | None:
+        return b'{"data": [{"id": "m"}]}' if url.endswith("/v1/models") else None
+
+
+def test_health_checks_take_up_an_added_backend_at_once_and_stop_for_a_removed_one() -> None:
+    pool, client = Pool([BackendSpec("http://a:1")], 100, retry_after_s=1), FakeClient()
+    upkeep = Upkeep(pool, client, GatewayConfig())  # type: ignore[arg-type]
+
+    async def run() -> tuple[bool, list[str]]:
+        await upkeep.start()
+        added = pool.add(BackendSpec("http://b:1"))
+        upkeep.check_soon(added)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        joined = added.healthy
+        pool.remove(pool.backends[0])
+        client.checked.clear()
+        await upkeep.check_all()
+        await upkeep.stop()
+        return joined, client.checked
+
+    joined, checked = asyncio.run(run())
+    assert joined and checked == ["http://b:1"]

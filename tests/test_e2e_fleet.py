@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import httpx2
@@ -123,7 +124,7 @@ def test_admin_api_lists_adds_drains_and_removes_backends_with_the_admin_key(fle
         served = {chat(gateway.url, f"other question {i}").headers["x-gateway-backend"] for i in range(4)}
         assert served == {first.url}
 
-        removed = http.delete(admin + "/second", headers=key)
+        removed = http.delete(admin + "/" + quote(second.url, safe=""), headers=key)  # by URL, too
         assert removed.status_code == 202
         wait_for(lambda: list(by_url(gateway.url, ADMIN_KEY)) == first.urls, "the removed backend leaves")
         missing = http.delete(admin + "/second", headers=key)
