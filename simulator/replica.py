@@ -101,7 +101,7 @@ class _EngineCollector(Collector):
             family = kind(name, help_text, labels=["model_name"])
             family.add_metric([self.model], value)
             yield family
-        # The standard process metric vLLM's and SGLang's Prometheus clients export: a restart moves it.
+        # The standard process metric vLLM's Prometheus client exports: a restart moves it.
         yield GaugeMetricFamily("process_start_time_seconds", "Start time of the process since unix epoch in "
                                 "seconds", value=self.started_at_s)
 

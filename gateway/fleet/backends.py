@@ -219,7 +219,7 @@ class Backend:
     def health_check_passed(self, success_threshold: int) -> None:
         """`success_threshold` passed checks in a row bring the backend back; one ends an ejection for refused
         connections (it listens again). A backend that refused a check and listens again restarted, when its
-        engine reports no start time to tell (llama.cpp's server)."""
+        engine reports no start time to tell (SGLang, llama.cpp's server)."""
         if self.refused_checks and self.started_at_s is None and self.index.size_blocks:
             self.restarted("it refused a health check and answers again")
         self.refused_checks = False

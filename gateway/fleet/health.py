@@ -8,7 +8,7 @@ of real requests are read by outlier ejection (outlier.py), without waiting for 
 
 Load signals: every `metrics_interval_s`, `GET /metrics` on each healthy backend, read into `Backend.signals`
 with the time of reading; policies ignore signals older than their staleness bound. The same scrape carries the
-engine's `process_start_time_seconds` (vLLM and SGLang export it): when it moves, the engine restarted and the
+engine's `process_start_time_seconds` (vLLM exports it): when it moves, the engine restarted and the
 backend's index is cleared (`Backend.start_time_read`).
 
 Each round covers the pool as it is then: a backend added at run time is checked at once (`check_soon`) and in
