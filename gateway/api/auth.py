@@ -41,7 +41,6 @@ class ApiKeys:
         if not _matches(headers, allowed):
             raise BrowserUnauthorized() if path.startswith("/dashboard") else Unauthorized()
 
-
     def check_admin(self, headers: Mapping[str, str]) -> None:
         """Raises Unauthorized unless the request carries an admin key: for the admin API's own listener, which
         client keys never open. With no admin key it is open (config.py allows that on loopback only)."""

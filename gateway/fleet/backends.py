@@ -3,9 +3,8 @@
 A `Backend` is mutable state owned by the event loop and changed only through its own methods: the health checker
 reports checks, discoveries and load readings; the router reserves and releases load; the record step reports how
 each exchange ended (outlier ejection, outlier.py); policies only read. `Pool` answers "which backends may serve
-model M right now", and
-changes at run time (`add`, `drain`, `remove`: discovery.py and the admin API): a draining backend is never
-chosen, its requests in flight finish, and it leaves (its index freed) once none is left.
+model M right now", and changes at run time (`add`, `drain`, `remove`: discovery.py and the admin API): a
+draining backend is never chosen, its requests in flight finish, and it leaves (its index freed) once none is left.
 """
 
 from __future__ import annotations
@@ -326,8 +325,8 @@ class Pool:
     """All backends, in the order they were configured or added (the order ties are broken in where a policy must).
 
     Backends join (`add`: unhealthy until their first good health check), drain (`drain`: chosen for nothing
-    new) and leave (`remove`, once `drained()` says nothing of theirs is in flight). `version` moves on each
-    join and leave, for those who keep something per backend (shared_state.py)."""
+    new) and leave (`remove`, once nothing of theirs is in flight: discovery.py's `Membership` waits for that).
+    `version` moves on each join and leave, for those who keep something per backend (shared_state.py)."""
 
     def __init__(self, specs: Sequence[BackendSpec], index_capacity_blocks: int, retry_after_s: int,
                  outlier: OutlierConfig = OutlierConfig()) -> None:
@@ -360,10 +359,6 @@ class Pool:
         if not backend.draining:
             logger.info("backend %s draining: %d requests in flight", backend.url, backend.in_flight)
         backend.draining = True
-
-    def drained(self) -> list[Backend]:
-        """The draining backends with nothing in flight: ready to `remove`."""
-        return [b for b in self.backends if b.draining and b.in_flight == 0]
 
     def remove(self, backend: Backend) -> None:
         """`backend` leaves the pool and its index is freed. Anything still holding it (a request in flight, a
