@@ -84,8 +84,8 @@ class ReplicaConfig:
 class _EngineCollector(Collector):
     """SGLang's metric names, read from the engine at scrape time (nothing to keep in sync)."""
 
-    def __init__(self, engine: Engine, model: str) -> None:
-        self.engine, self.model = engine, model
+    def __init__(self, engine: Engine, model: str, started_at_s: float) -> None:
+        self.engine, self.model, self.started_at_s = engine, model, started_at_s
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats()
@@ -103,6 +103,9 @@ class _EngineCollector(Collector):
             family = kind(name, help_text, labels=["model_name"])
             family.add_metric([self.model], value)
             yield family
+        # The standard process metric vLLM's Prometheus client exports: a restart moves it.
+        yield GaugeMetricFamily("process_start_time_seconds", "Start time of the process since unix epoch in "
+                                "seconds", value=self.started_at_s)
 
 
 class _Replica:
@@ -113,8 +116,9 @@ class _Replica:
         self.engine = Engine(config.engine)
         self.faults = Faults(config.faults, config.seed)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(self.engine, config.model))
-        self.created = int(time.time())
+        started_at_s = time.time()  # per replica, though several share a process: each restarts alone
+        self.registry.register(_EngineCollector(self.engine, config.model, started_at_s))
+        self.created = int(started_at_s)
         self.apis = AgentApis(self)
 
     # --- inference ---------------------------------------------------------------------------------------

@@ -264,3 +264,12 @@ def read_load(families: Iterable[Metric]) -> Load | None:
 
 def _positive_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def read_start_time(families: Iterable[Metric]) -> float | None:
+    """The engine process's start time in Unix seconds (`process_start_time_seconds`, the standard process metric
+    that vLLM's Prometheus client exports; SGLang's multiprocess metrics lack it), None when the scrape has none."""
+    for family in families:
+        if family.name == "process_start_time_seconds" and family.samples:
+            return float(family.samples[0].value)
+    return None
