@@ -36,7 +36,7 @@ def turn(session: int, rounds: int) -> str:
 
 def place(subject: Router, prompt: str, key: str | None = None) -> str:
     """Place and finish a request (as after its answer); the backend's URL."""
-    placement = subject.place("m", subject.routing_request(prompt, key))
+    placement = subject.place("m", subject.routing_request(prompt, session=key))
     placement.first_byte()
     placement.finish()
     return placement.backend.url
@@ -72,7 +72,7 @@ def test_a_request_the_key_brought_home_is_routed_as_session() -> None:
     subject = router()
     home = place(subject, turn(7, 2), "agent-7")
     other_conversations(subject, home)
-    assert subject.place("m", subject.routing_request(turn(7, 3), "agent-7")).decision.route is Route.SESSION
+    assert subject.place("m", subject.routing_request(turn(7, 3), session="agent-7")).decision.route is Route.SESSION
 
 
 def test_a_backend_that_reported_no_kv_capacity_gets_no_credit_from_a_key() -> None:
@@ -81,7 +81,7 @@ def test_a_backend_that_reported_no_kv_capacity_gets_no_credit_from_a_key() -> N
         each.capacity_tokens = None
     home = place(subject, turn(7, 2), "agent-7")
     other_conversations(subject, home)
-    assert subject.place("m", subject.routing_request(turn(7, 3), "agent-7")).decision.route is not Route.SESSION
+    assert subject.place("m", subject.routing_request(turn(7, 3), session="agent-7")).decision.route is not Route.SESSION
 
 
 def test_session_key_is_not_believed_once_the_index_lost_what_it_recorded() -> None:
@@ -115,7 +115,7 @@ def test_session_key_moves_when_its_backend_is_overloaded_and_follows_the_move()
         backend(subject, home).reserve(20_000, ())
     moved = place(subject, turn(1, 3), "agent-1")
     assert moved != home
-    key = subject.routing_request("", "agent-1").session
+    key = subject.routing_request("", session="agent-1").session
     assert subject.sessions is not None and key is not None
     visit = subject.sessions.last_visit(key)
     assert visit is not None and visit.backend.url == moved
@@ -147,7 +147,7 @@ def test_a_key_weighs_only_for_a_request_continuing_its_last_prompt() -> None:
 @pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
 def test_baselines_ignore_keys(policy: str) -> None:
     subject = router(policy)
-    assert subject.sessions is None and subject.routing_request("x", "agent-1").session is None
+    assert subject.sessions is None and subject.routing_request("x", session="agent-1").session is None
 
 
 def test_session_map_forgets_the_least_recently_used_key_first() -> None:

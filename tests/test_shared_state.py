@@ -111,6 +111,9 @@ class Recorder:
     def marked_down(self, backend: Backend) -> None:
         self.calls.append(("down", backend.url, 0))
 
+    def cleared(self, backend: Backend) -> None:
+        self.calls.append(("cleared", backend.url, 0))
+
     def session_visited(self, backend: Backend, key: int, blocks: int, last_hash: int) -> None:
         self.calls.append(("session", backend.url, blocks))
 
@@ -141,7 +144,7 @@ def test_a_session_key_is_published_with_its_backend_and_learnt_by_the_other_ins
     for backend in pool.backends:
         backend.publisher = recorder
     router = Router(pool, RoutingConfig(policy="prefix_aware"))
-    prompt = router.routing_request(text("an agent's session", 2000), "agent-1")
+    prompt = router.routing_request(text("an agent's session", 2000), session="agent-1")
     placement = router.place("m", prompt)
     assert ("session", placement.backend.url, len(prompt.hashes)) in recorder.calls
     other, sessions = healthy_pool(2), Sessions(max_keys=10, ttl_s=60.0)
@@ -203,3 +206,21 @@ def test_without_a_store_routing_goes_on_and_updates_are_dropped_and_counted() -
     assert described["up"] is False and described["warmed_updates"] is None
     assert described["dropped_updates"] == 5 and described["published_updates"] == 0
     assert "ConnectionError" in str(described["error"])
+
+
+def test_a_backend_added_at_run_time_publishes_and_receives_updates() -> None:
+    pool = healthy_pool(1)
+    shared = SharedState(f"redis://127.0.0.1:{free_port()}/0", pool, CollectorRegistry())
+
+    async def run() -> Backend:
+        await shared.start()
+        added = pool.add(BackendSpec("http://b9", model="m"))
+        await shared.stop()
+        return added
+
+    added = asyncio.run(run())
+    assert added.publisher is shared
+    added.restarted("a test")  # published as a CLEARED update: appended, never raises
+    assert backend_id(added.url) in shared._backends()
+    pool.remove(added)
+    assert backend_id(added.url) not in shared._backends()

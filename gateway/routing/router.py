@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.fleet.backends import Backend, Pool
-from gateway.routing.hashing import block_hashes
+from gateway.routing.hashing import ROOT_SEED, block_hashes
 from gateway.routing.policies import Decision, PolicyConfig, Route, RoutingRequest
 from gateway.routing.policies.basic import least_loaded
 from gateway.routing.policies.registry import DEFAULT_POLICY, default_config, make_policy
@@ -109,14 +110,15 @@ class Router:
         self.sessions = Sessions(config.session_max_keys, config.session_ttl_s) \
             if config.policy_config.follows_sessions else None
 
-    def routing_request(self, text: str, session: str | None = None) -> RoutingRequest:
+    def routing_request(self, text: str, model: str | None = None, session: str | None = None) -> RoutingRequest:
         """The request as policies see it; `session` is the client's session key, if it sent one."""
-        return RoutingRequest(block_hashes(text, self.config.block_chars), len(text),
+        seed = self.pool.model_seeds.get(model, ROOT_SEED) if model else ROOT_SEED  # e.g. a LoRA adapter's own
+        return RoutingRequest(block_hashes(text, self.config.block_chars, seed), len(text),
                               self.config.block_chars, self.config.chars_per_token,
                               None if session is None or self.sessions is None else key_hash(session))
 
-    def resolve_model(self, requested: str | None) -> str:
-        return self.pool.resolve_model(requested, self.default_model)
+    def resolve_model(self, requested: str | None, lora_path: Any = None) -> str:
+        return self.pool.resolve_model(requested, self.default_model, lora_path)
 
     def place(self, model: str, request: RoutingRequest, avoid: Sequence[Backend] = ()) -> Placement:
         """Choose a backend for `request`, not one in `avoid` unless no other is left, and reserve it; raises
@@ -125,7 +127,7 @@ class Router:
         key, sessions = request.session, self.sessions
         if key is None or sessions is None:
             return self._reserve(self.policy.choose(candidates, request), request)
-        request = replace(request, last_visit=sessions.last_visit(key))
+        request = request._replace(last_visit=sessions.last_visit(key))
         decision = self.policy.choose(candidates, request)
         visit = request.visit(decision.backend, len(claimed(decision.backend, request.hashes)))
         sessions.visited(key, visit)  # the key follows its request

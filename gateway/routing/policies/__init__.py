@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from gateway.fleet.backends import Backend
 
@@ -50,8 +50,7 @@ class Visit:
         return self.backend.index.evicted_blocks - self.evicted_blocks
 
 
-@dataclass(frozen=True)
-class RoutingRequest:
+class RoutingRequest(NamedTuple):
     """What a policy knows of a request: its prompt's chained block hashes and its length, and, when the client
     sent a session key, that key's hash and where its last request went (filled in by the router, for policies
     that follow sessions)."""
@@ -95,8 +94,7 @@ class RoutingRequest:
                      backend.index.evicted_blocks)
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     backend: Backend
     route: Route
     matched_blocks: int
