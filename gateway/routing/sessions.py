@@ -2,16 +2,16 @@
 
 A key (`x-session-id`, `prompt_cache_key`, `user`; see `gateway/api/prompts.py`) names requests the client
 knows belong together. The router remembers, per key, the backend its last request went to and that request's
-prompt by its length in blocks and the hash of its last block (`Visit`): 24 bytes of facts, so a later request
-can tell in one comparison whether it continues that prompt (`RoutingRequest.session_blocks`). The prefix index
-usually knows as much; the key matters when it does not (the index forgot the history first: it models less of
-the cache than the engine keeps, and an idle session is the least recently used), and it can never attract a
-request that does not continue what the backend was sent, so colliding or reused keys cost nothing.
+prompt by its length in blocks and the hash of its last block (`Visit`), so a later request can tell in one
+comparison whether it continues that prompt (`RoutingRequest.session_blocks`). The prefix index usually knows as
+much; the key matters where it cannot: one request records at most a quarter of an index, so of a long context
+the index keeps the head, which many conversations may share. A key never attracts a request that does not
+continue what the backend was sent, so colliding or reused keys cost nothing.
 
 The map is bounded in entries and in age: least recently used first out, and every entry lives `ttl_s` after its
 key's last request (so the front is always the oldest and expiry pops from the left). Keys are stored as 64-bit
-hashes, not as the client's strings. Each gateway instance (and each `--workers` process) keeps its own map;
-with `--state` the prefix index is shared, the keys are not.
+hashes, not as the client's strings. Each gateway instance (and each `--workers` process) keeps its own map; with
+`--state` every visit is published with the placements, so all instances learn each key (shared_state.py).
 """
 
 from __future__ import annotations
