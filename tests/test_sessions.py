@@ -81,7 +81,8 @@ def test_a_backend_that_reported_no_kv_capacity_gets_no_credit_from_a_key() -> N
         each.capacity_tokens = None
     home = place(subject, turn(7, 2), "agent-7")
     other_conversations(subject, home)
-    assert subject.place("m", subject.routing_request(turn(7, 3), session="agent-7")).decision.route is not Route.SESSION
+    placement = subject.place("m", subject.routing_request(turn(7, 3), session="agent-7"))
+    assert placement.decision.route is not Route.SESSION
 
 
 def test_session_key_is_not_believed_once_the_index_lost_what_it_recorded() -> None:
