@@ -5,6 +5,7 @@ clients, shutdown, API keys and what reaches a backend. Each test is a row of th
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import resource
@@ -206,6 +207,32 @@ def test_huge_and_too_many_headers_are_refused_and_memory_stays_bounded(fleet: F
     assert refused(answer), answer[:200]
     assert rss_kib(gateway) - before_kib < 40 * 1024  # 30 x 20 MB sent; was 300+ MB before bound_request_queue
     assert httpx2.post(gateway.url + CHAT, json=question(), trust_env=False, timeout=30).status_code == 200
+
+
+def peak_rss_growth_kib(process: Process, action: Callable[[], object]) -> int:
+    """How far the process's resident memory rose above where it was while `action` ran."""
+    with open(f"/proc/{process.popen.pid}/clear_refs", "w", encoding="ascii") as clear:
+        clear.write("5")  # the high-water mark restarts from the current RSS
+    before_kib = rss_kib(process)
+    action()
+    with open(f"/proc/{process.popen.pid}/status", encoding="ascii") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) - before_kib
+
+
+def test_a_30_mb_prompt_costs_a_bounded_multiple_of_its_size_in_flight(fleet: Fleet) -> None:
+    # A small index keeps what the prompt's blocks add to it (~330 B a block, up to a quarter of the index) out
+    # of the measure: that stays after the request, bounded by --max-tree-size.
+    with capture_backend() as (url, captured):
+        gateway = fleet.start_gateway([url], args=[*FAST_GATEWAY, "--max-tree-size", "64000"])
+        text = "".join(f"line {i} of a very long document\n" for i in range(1_000_000))[:30_000_000]
+        for prefix, bound in (("", 6), ("request 3f2b8c1e-9d4a-4e7b-8c2d-1a2b3c4d5e6f: ", 7)):  # the rewriter's too
+            body = json.dumps({"model": "capture-model", "messages": [{"role": "user", "content": prefix + text}]})
+            grown_kib = peak_rss_growth_kib(gateway, functools.partial(
+                httpx2.post, gateway.url + CHAT, content=body, trust_env=False, timeout=120,
+                headers={"content-type": "application/json"}))
+            assert grown_kib * 1024 < bound * len(body), (prefix, grown_kib // 1024)
+            assert len(captured.bodies.pop()) >= len(body) - 100
+            time.sleep(0.5)
 
 
 def test_client_that_never_reads_is_dropped_and_the_replica_request_aborted(fleet: Fleet) -> None:

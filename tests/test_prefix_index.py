@@ -2,6 +2,7 @@ import random
 
 import pytest
 
+from gateway.routing import hashing
 from gateway.routing.hashing import block_hashes
 from gateway.routing.prefix_index import PrefixIndex
 
@@ -17,6 +18,14 @@ def test_shared_prefix_matches_exactly_its_length_in_blocks() -> None:
 def test_chained_hash_depends_on_everything_before_the_block() -> None:
     assert block_hashes("a" * 64 + "b" * 64)[1] != block_hashes("c" * 64 + "b" * 64)[1]
     assert block_hashes("x" * 63) == []
+
+
+def test_a_long_ascii_prompt_hashes_as_one_piece_would_in_any_block_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "".join(f"word {i} " for i in range(200))  # 1,690 characters
+    whole = {block: block_hashes(text, block) for block in (8, 48, 64)}
+    monkeypatch.setattr(hashing, "_ENCODE_CHARS", 100)  # pieces of 96 (block 8, 48) and 64 characters
+    assert {block: block_hashes(text, block) for block in (8, 48, 64)} == whole
+    assert block_hashes(text[:1000] + "é" + text[1000:], 64)[:15] == whole[64][:15]  # non-ASCII: one way only
 
 
 def test_a_leaf_is_a_cached_block_no_cached_prompt_continues() -> None:
