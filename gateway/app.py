@@ -33,11 +33,13 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from gateway.api.admin import AdminApi
 from gateway.api.admission import Admission
 from gateway.api.auth import ApiKeys
 from gateway.api.drain import Drain
 from gateway.fleet.backends import Backend, Pool
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, check_url
+from gateway.fleet.discovery import Discovery, Membership, sources
 from gateway.observe.dashboard import Dashboard
 from gateway.errors import (BadRequest, ErrorShape, GatewayError, PayloadTooLarge, ShuttingDown,
                             StoredResponseUnavailable)
@@ -119,6 +121,12 @@ class Gateway:
         self.log_access = AccessLog()
         self.drain = Drain(config.shutdown_grace_s)
         self.log_flusher: asyncio.Task[None] | None = None
+        # Backends at run time (fleet/discovery.py): a joined one is checked at once, a removed one's series go.
+        self.membership = Membership(self.pool, self.upkeep.check_soon,
+                                     lambda backend: self.metrics.forget_backend(backend.url))
+        self.discovery = Discovery(self.membership, sources(config.backend_dns, config.backend_dns_interval_s,
+                                                            config.backend_file))
+        self.admin = AdminApi(self.membership, self.keys, check_url) if config.admin_port else None
 
     # -- the request path -------------------------------------------------------------------------------
 
@@ -130,7 +138,7 @@ class Gateway:
         try:
             exchange = await self.parse(request, RELAYED_PATHS[request.path])
             exchange = self.rewrite(exchange, opted_out=not enabled_for(request.headers))
-            routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body))
+            routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body), exchange.model)
             placement, upstream = await self.forward(exchange, routing, request)
             return await self.relay_answer(request, exchange, placement, upstream)
         finally:
@@ -157,7 +165,7 @@ class Gateway:
             body = read_json(raw, endpoint)
         else:  # an upload: never decoded, only its small fields are looked up
             body = multipart_fields(raw, request.headers.get("content-type", ""))
-        model = self.router.resolve_model(body.get("model"))
+        model = self.router.resolve_model(body.get("model"), body.get("lora_path"))
         request[MODEL] = model
         owner = await self.owner_of(body.get("previous_response_id"), "previous_response_id", model) \
             if endpoint is Endpoint.RESPONSES else None
@@ -183,13 +191,14 @@ class Gateway:
             return None
         owner = self.responses.owner(response_id)
         if owner is None:
-            candidates = [b for b in self.pool.backends if b.healthy and (model is None or b.model == model)]
+            candidates = [b for b in self.pool.backends
+                          if b.healthy and not b.draining and (model is None or b.serves(model))]
             if len(candidates) < 2:  # routing finds the one there is
                 return None
             owner = await locate(self.client, candidates, response_id, self.config.health.timeout_s)
             if owner is not None:
                 self.responses.remember(response_id, owner)
-        if owner is None or owner.healthy:
+        if owner is None or (owner.healthy and not owner.draining):  # a draining one is leaving: sent nothing new
             return owner
         raise StoredResponseUnavailable(response_id, owner.url if self.config.expose_backend_urls else owner.name,
                                         param)
@@ -386,14 +395,22 @@ class Gateway:
         self.log_flusher = asyncio.create_task(flush_every())
         log_ignored_proxy_environment(os.environ)
         await self.client.start()
+        await self.discovery.start()  # the discovered backends are in the first round of health checks
         await self.upkeep.start()
         await self.shared.start()  # replays the other instances' placements before serving
+        self.membership.start()
+        if self.admin is not None and self.config.admin_port is not None:
+            await self.admin.start(self.config.admin_host, self.config.admin_port)
 
     async def on_shutdown(self, app: web.Application) -> None:
         """The server has stopped accepting: /ready says so at once, and what is in flight drains."""
         await self.drain.drain()
 
     async def on_cleanup(self, app: web.Application) -> None:
+        if self.admin is not None:
+            await self.admin.stop()
+        await self.discovery.stop()
+        await self.membership.stop()
         await self.shared.stop()
         await self.upkeep.stop()
         await self.client.close()

@@ -58,8 +58,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         table["enabled"] = args.rewrite == "on"
         flags["rewrite"] = table
     config = build_config(file_values, flags)
-    if not config.backends:
-        raise ConfigError("no backends: give --backend URL (repeatable) or [[backends]] in the config file")
+    if not (config.backends or config.backend_dns or config.backend_file or config.admin_port):
+        raise ConfigError("no backends: give --backend URL (repeatable) or [[backends]] in the config file, or "
+                          "find them at run time with --backend-dns, --backend-file or --admin-port")
     return config
 
 
@@ -104,6 +105,12 @@ def check_config(args: argparse.Namespace) -> int:
     """Validate a config file as `serve --config FILE` would, without starting; errors exit 2 (see main)."""
     config = build_config(load_toml(args.file), {})
     backends = f"{len(config.backends)} backends" if config.backends else "no backends (give --backend when serving)"
+    found = [*(f"DNS {name}" for name in config.backend_dns), *([f"file {config.backend_file}"] if
+                                                               config.backend_file else [])]
+    if found:
+        backends = f"{len(config.backends)} backends + those of {', '.join(found)}"
+    if config.admin_port:
+        backends += f", admin API on {config.admin_host}:{config.admin_port}"
     print(f"{args.file}: valid: policy {config.routing.policy}, {backends}, listens on {config.host}:"
           f"{config.port}, rewrite {'on' if config.rewrite.enabled else 'off'}, log {config.log_format}")
     return 0

@@ -3,12 +3,14 @@
 Precedence: built-in default < `--config FILE` (TOML) < command-line flag. Every option is a top-level TOML key
 spelt with underscores (`cache_threshold = 0.3`), and a flag spelt with dashes (`--cache-threshold 0.3`).
 Backends are `[[backends]]` tables (`url`, optional `model` and `capacity_tokens`) or `--backend URL` flags;
-flags replace the file's list. Prompt rewriting is the `[rewrite]` table (see `rewrite_config.py`).
+flags replace the file's list. Backends found at run time (`backend_dns`, `backend_file`) come on top of them.
+Prompt rewriting is the `[rewrite]` table (see `rewrite_config.py`).
 Values are parsed strictly; a bad one raises `ConfigError` naming the key and the value.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -21,6 +23,7 @@ from gateway import validate
 from gateway.api.headers import Network, parse_networks
 from gateway.errors import ConfigError
 from gateway.fleet.backends import BackendSpec
+from gateway.fleet.discovery import DnsName
 from gateway.fleet.outlier import OutlierConfig
 from gateway.rewrite.config import RewriteConfig
 from gateway.routing.policies import registry
@@ -39,6 +42,11 @@ class HealthConfig:
 @dataclass(frozen=True)
 class GatewayConfig:
     backends: tuple[BackendSpec, ...] = ()
+    backend_dns: tuple[str, ...] = ()  # HOST:PORT names re-resolved for backends (fleet/discovery.py)
+    backend_dns_interval_s: float = 5.0
+    backend_file: str | None = None  # a file of backend URLs, watched (fleet/discovery.py)
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None  # the admin API's own listener (api/admin.py); None: off
     host: str = "127.0.0.1"
     port: int = 8000
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -98,6 +106,16 @@ def _workers(key: str, value: Any) -> int:
     return at_least(1, integer)(key, value)
 
 
+def _dns_names(key: str, value: Any) -> tuple[str, ...]:
+    names = strings(key, value)
+    for name in names:
+        try:
+            DnsName.parse(name)
+        except ValueError as exc:
+            raise ConfigError(f"{key} must be HOST:PORT names, got {name!r}: {exc}") from None
+    return names
+
+
 def _store_url(key: str, value: Any) -> str:
     parts = urlsplit(string(key, value))
     db = parts.path.strip("/")
@@ -138,6 +156,21 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
+    Option("backend_dns", "", "backend_dns", _dns_names,
+           "DNS name whose A/AAAA records are the backends (a Kubernetes headless Service), as HOST:PORT (or "
+           "https://HOST:PORT), re-resolved every --backend-dns-interval-secs: new addresses join after their first "
+           "good health check, vanished ones drain and leave; repeatable, combines with --backend", "HOST:PORT",
+           repeatable=True),
+    Option("backend_dns_interval_secs", "", "backend_dns_interval_s", at_least(0.1, number),
+           "seconds between resolutions of each --backend-dns name"),
+    Option("backend_file", "", "backend_file", string,
+           "file of backend URLs, one per line (# starts a comment), watched for changes: added URLs join after "
+           "their first good health check, removed ones drain and leave; combines with --backend", "FILE"),
+    Option("admin_port", "", "admin_port", at_least(1, integer),
+           "port of the admin API (GET/POST/DELETE /admin/backends: list, add, drain and remove backends at run "
+           "time), a listener of its own; off unless given. It requires --admin-api-key unless --admin-host is a "
+           "loopback address, and a single worker (--workers 1)"),
+    Option("admin_host", "", "admin_host", string, "address the admin API listens on"),
     Option("host", "", "host", string, "address to listen on"),
     Option("port", "", "port", at_least(1, integer), "port to listen on"),
     Option("policy", "routing", "policy", validate.one_of(registry.POLICIES),
@@ -233,7 +266,8 @@ OPTIONS: tuple[Option, ...] = (
            "for several; also read from --api-key-file and PREFIX_GATEWAY_API_KEYS (comma-separated)", "KEY",
            repeatable=True),
     Option("admin_api_key", "", "admin_api_keys", strings,
-           "key that alone opens /metrics, /backends and /dashboard; without one, any client key does", "KEY",
+           "key that alone opens /metrics, /backends and /dashboard (without one, any client key does) and the "
+           "admin API of --admin-port", "KEY",
            repeatable=True),
     Option("forward_client_credentials", "", "forward_client_credentials", boolean,
            "pass the client's Authorization and Cookie headers to backends (true/false)", "BOOL"),
@@ -295,14 +329,38 @@ def build_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any])
             sections[option.section][option.field] = option.parse(option.key, merged[option.key])
     routing = sections["routing"]
     policy = routing.setdefault("policy", registry.DEFAULT_POLICY)
-    return GatewayConfig(
+    return _checked(GatewayConfig(
         backends=parse_backends(merged.get("backends", [])),
         routing=RoutingConfig(policy_config=registry.configure(policy, sections["policy"]), **routing),
         health=HealthConfig(**sections["health"]),
         outlier=_outlier(sections["outlier"]),
         rewrite=RewriteConfig.from_toml(validate.table("rewrite", merged.get("rewrite", {}))),
         **sections[""],
-    )
+    ))
+
+
+def _checked(config: GatewayConfig) -> GatewayConfig:
+    """What no single option can say is wrong: the admin API's guard and its single process."""
+    if config.admin_port is None:
+        return config
+    if not config.admin_api_keys and not is_loopback(config.admin_host):
+        raise ConfigError(f"admin_port on {config.admin_host!r} needs admin_api_key: without one only a loopback "
+                          "admin_host (127.0.0.1, ::1, localhost) may serve the admin API")
+    if config.workers > 1:
+        raise ConfigError("admin_port needs workers = 1: each worker has its own pool, and an admin request would "
+                          "reach one of them; change backends of several workers with backend_file or backend_dns")
+    if config.admin_port == config.port and config.admin_host == config.host:
+        raise ConfigError(f"admin_port must differ from port ({config.port})")
+    return config
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _outlier(values: dict[str, Any]) -> OutlierConfig:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing
 import resource
@@ -36,6 +37,8 @@ from gateway.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 _RESPAWN_PAUSE_S = 1.0
+# Young collections every this many container allocations instead of Python's 700 (see `tune_gc`).
+YOUNG_GC_THRESHOLD = 10_000
 
 
 def raise_open_file_limit() -> int:
@@ -63,6 +66,20 @@ def bound_request_queue() -> None:
         web_protocol.MAX_MSG_QUEUE_SIZE = 2
 
 
+async def tune_gc(app: web.Application) -> None:
+    """Keep the cyclic garbage collector off the request path; run once the app has started.
+
+    With Python's defaults it cost about 40 us of CPU per relayed request, a tenth of the total: a young
+    collection every 700 container allocations traverses the live state of every request in flight (a request
+    allocates ~90 of them), and each full collection rescans the ~55,000 objects built at start (modules, the
+    app, the fleet), which never become garbage. Those are frozen out of collection, and young collections
+    run every `YOUNG_GC_THRESHOLD` allocations: the gateway's requests make almost no cycles (about one per
+    four requests), and refcounting frees everything else at once, so little waits longer for collection."""
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, older, oldest)
+
+
 def serve_worker(config: GatewayConfig, reuse_port: bool) -> None:
     """Run one gateway process until SIGTERM or SIGINT."""
     try:
@@ -85,6 +102,7 @@ async def run_worker(config: GatewayConfig, reuse_port: bool, max_connections: i
     drains (`Gateway.on_shutdown`). aiohttp's runner without its `run_app`: that closes the port first, and
     its site takes aiohttp's protocol factory, where the connection cap must sit in between."""
     app = create_app(config)
+    app.on_startup.append(tune_gc)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                            keepalive_timeout=config.keepalive_timeout_s, shutdown_timeout=config.shutdown_grace_s + 5)
     await runner.setup()

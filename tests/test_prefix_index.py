@@ -119,3 +119,12 @@ def test_invariants_hold_after_random_operations(seed: int) -> None:
         else:
             assert 0 <= index.match(hashes) <= len(hashes)
         index.check_invariants()
+        assert index.match(hashes) == _leading_present(index, hashes)
+
+
+def _leading_present(index: PrefixIndex, hashes: list[int]) -> int:
+    """`match` the slow way: block by block until one is absent (the bisection must agree)."""
+    present = 0
+    while present < len(hashes) and index.created_at(hashes[present]):
+        present += 1
+    return present

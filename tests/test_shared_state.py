@@ -179,3 +179,21 @@ def test_without_a_store_routing_goes_on_and_updates_are_dropped_and_counted() -
     assert described["up"] is False and described["warmed_updates"] is None
     assert described["dropped_updates"] == 5 and described["published_updates"] == 0
     assert "ConnectionError" in str(described["error"])
+
+
+def test_a_backend_added_at_run_time_publishes_and_receives_updates() -> None:
+    pool = healthy_pool(1)
+    shared = SharedState(f"redis://127.0.0.1:{free_port()}/0", pool, CollectorRegistry())
+
+    async def run() -> Backend:
+        await shared.start()
+        added = pool.add(BackendSpec("http://b9", model="m"))
+        await shared.stop()
+        return added
+
+    added = asyncio.run(run())
+    assert added.publisher is shared
+    added.restarted("a test")  # published as a CLEARED update: appended, never raises
+    assert backend_id(added.url) in shared._backends()
+    pool.remove(added)
+    assert backend_id(added.url) not in shared._backends()

@@ -86,6 +86,11 @@ class FastHistogram(Collector):
             child = self._children[values] = Buckets(self.bounds)
         return child
 
+    def forget(self, label: str, value: str) -> None:
+        """Drop the children whose `label` is `value`."""
+        position = self.label_names.index(label)
+        self._children = {values: child for values, child in self._children.items() if values[position] != value}
+
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.label_names)
         for values, child in list(self._children.items()):
@@ -159,5 +164,26 @@ class GatewayMetrics:
                                                     self.predicted_cached_tokens.labels(*key))
         return counters
 
+    def forget_backend(self, url: str) -> None:
+        """Drop every series labelled with a removed backend's URL: a fleet whose replicas come and go (discovery)
+        would otherwise export a growing set of dead series."""
+        for counter in (self.requests, self.prompt_tokens, self.cached_tokens, self.predicted_cached_tokens,
+                        self.index_corrections, self.upstream_errors):
+            position = counter._labelnames.index("backend")
+            for values in _label_sets(counter):
+                if values[position] == url:
+                    counter.remove(*values)
+        for histogram in (self.upstream_latency, self.upstream_ttfb):
+            histogram.forget("backend", url)
+        self._children = {key: children for key, children in self._children.items() if key[2] != url}
+        self._token_children = {key: counters for key, counters in self._token_children.items() if key[1] != url}
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _label_sets(counter: Counter) -> set[tuple[str, ...]]:
+    """The label values of every child of a labelled counter, read from its own exposition."""
+    names = counter._labelnames
+    return {tuple(sample.labels[name] for name in names)
+            for family in counter.collect() for sample in family.samples if sample.name.endswith("_total")}

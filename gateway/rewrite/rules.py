@@ -52,6 +52,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 
 class Action(str, Enum):
@@ -160,8 +161,7 @@ class Rule:
     builtin: bool = False   # built-ins obey the gate property below, so they can be scanned sparsely
 
 
-@dataclass(frozen=True)
-class TextRewrite:
+class TextRewrite(NamedTuple):
     """One searched string after one pass: its new text, the spans to move (in order) and every hit."""
 
     text: str

@@ -11,9 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.fleet.backends import Backend, Pool
-from gateway.routing.hashing import block_hashes
+from gateway.routing.hashing import ROOT_SEED, block_hashes
 from gateway.routing.policies import Decision, PolicyConfig, Route, RoutingRequest
 from gateway.routing.policies.basic import least_loaded
 from gateway.routing.policies.registry import DEFAULT_POLICY, default_config, make_policy
@@ -103,12 +104,13 @@ class Router:
         self.policy = make_policy(config.policy, config.policy_config)
         self.default_model = default_model
 
-    def routing_request(self, text: str) -> RoutingRequest:
-        return RoutingRequest(block_hashes(text, self.config.block_chars), len(text),
+    def routing_request(self, text: str, model: str | None = None) -> RoutingRequest:
+        seed = self.pool.model_seeds.get(model, ROOT_SEED) if model else ROOT_SEED  # e.g. a LoRA adapter's own
+        return RoutingRequest(block_hashes(text, self.config.block_chars, seed), len(text),
                               self.config.block_chars, self.config.chars_per_token)
 
-    def resolve_model(self, requested: str | None) -> str:
-        return self.pool.resolve_model(requested, self.default_model)
+    def resolve_model(self, requested: str | None, lora_path: Any = None) -> str:
+        return self.pool.resolve_model(requested, self.default_model, lora_path)
 
     def place(self, model: str, request: RoutingRequest, avoid: Sequence[Backend] = ()) -> Placement:
         """Choose a backend for `request`, not one in `avoid` unless no other is left, and reserve it; raises

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from gateway.fleet.backends import Backend
 
@@ -32,8 +32,7 @@ class Route(str, Enum):
     OWNER = "owner"                  # it holds the stored response the request continues (gateway/api/responses.py)
 
 
-@dataclass(frozen=True)
-class RoutingRequest:
+class RoutingRequest(NamedTuple):
     """What a policy knows of a request: its prompt's chained block hashes and its length."""
 
     hashes: Sequence[int]
@@ -60,8 +59,7 @@ class RoutingRequest:
         return self.tokens(self.text_chars)
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     backend: Backend
     route: Route
     matched_blocks: int
