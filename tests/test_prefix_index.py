@@ -1,4 +1,5 @@
 import random
+import tracemalloc
 
 import pytest
 
@@ -96,6 +97,23 @@ def test_created_at_orders_first_insertion_across_indexes_sharing_a_clock() -> N
     first.insert([1, 2])  # a later use does not change creation time
     assert first.created_at(2) < second.created_at(2)
     assert first.created_at(99) == 0
+
+
+def test_a_cached_block_costs_well_under_200_bytes() -> None:
+    # It was ~330 with a set of children per node, so 86 MB for the quarter of an index a 30 MB prompt may claim.
+    index = PrefixIndex(capacity_blocks=100_000)
+    chain = [hash(("chain", i)) for i in range(20_000)]
+    branches = [[*chain[:100], *(hash((b, i)) for i in range(20))] for b in range(1_000)]
+    tracemalloc.start()
+    try:
+        index.insert(chain)
+        for branch in branches:
+            index.insert(branch)
+        used_bytes = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    index.check_invariants()
+    assert used_bytes / index.size_blocks < 200
 
 
 @pytest.mark.parametrize("seed", range(5))
