@@ -78,9 +78,13 @@ def test_demo_with_workers_shares_routing_state_between_them() -> None:
         os.killpg(demo.pid, signal.SIGTERM)
         assert demo.wait(30) == 0
     finally:
-        if demo.poll() is None:
-            os.killpg(demo.pid, signal.SIGKILL)
-            demo.wait()
+        if demo.poll() is None:  # SIGTERM: the demo stops its replicas and gateway (their own sessions) first
+            os.killpg(demo.pid, signal.SIGTERM)
+            try:
+                demo.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(demo.pid, signal.SIGKILL)
+                demo.wait()
         assert demo.stdout is not None
         demo.stdout.close()
     if log_path != Path(os.devnull):
