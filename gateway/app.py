@@ -23,7 +23,6 @@ OpenAI's error shape (Anthropic's on /v1/messages) in one middleware.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -49,7 +48,8 @@ from gateway.fleet.health import Upkeep
 from gateway.observe.logs import AccessLog, flush_every
 from gateway.observe.metrics import GatewayMetrics
 from gateway.routing.policies import RoutingRequest
-from gateway.api.prompts import Endpoint, multipart_fields, parse_json, routing_text, session_key, validate_body
+from gateway.api.prompts import (Endpoint, dump_json, multipart_fields, parse_json, routing_text, session_key,
+                                 validate_body)
 from gateway.api.relay import Ending, Outcome, Relay, error_for
 from gateway.api.responses import ResponseOwners, locate, response_id_of
 from gateway.rewrite import Rewriter, enabled_for
@@ -227,11 +227,8 @@ class Gateway:
             self.metrics.rewritten_spans.labels(hit.rule, hit.action.value).inc()
         if result.body is None:
             return exchange
-        try:
-            raw = json.dumps(result.body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate escape in the client's JSON: keep its own escapes
-            raw = json.dumps(result.body, separators=(",", ":")).encode("ascii")
-        return replace(exchange, body=result.body, raw=raw, rewritten_spans=result.moved)
+        return replace(exchange, body=result.body, raw=dump_json(result.body, exchange.raw),
+                       rewritten_spans=result.moved)
 
     async def forward(self, exchange: Exchange, routing: RoutingRequest, request: web.Request
                       ) -> tuple[Placement, UpstreamResponse]:

@@ -89,7 +89,16 @@ def demo(args: argparse.Namespace) -> int:
     from gateway.demo import run_demo
 
     configure_logging("info")
-    return run_demo(replicas=args.replicas, port=args.port, time_scale=args.time_scale)
+    return run_demo(replicas=args.replicas, port=args.port, time_scale=args.time_scale, workers=args.workers)
+
+
+def _demo_workers(value: str) -> int:
+    """As `serve --workers` reads it (a count or auto), from the one option table."""
+    try:
+        workers: int = next(option for option in OPTIONS if option.key == "workers").parse("workers", value)
+        return workers
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def check_config(args: argparse.Namespace) -> int:
@@ -121,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--time-scale", type=float, default=0.1,
                              help="speed of the simulated engines: 1.0 = an 8B model on one H100, "
                                   "0.1 = ten times faster (default: 0.1)")
+    demo_parser.add_argument("--workers", type=_demo_workers, default=1, metavar="N",
+                             help="gateway processes on the port, sharing routing state through a private "
+                                  "redis-server (needs redis-server installed; default: 1)")
     demo_parser.set_defaults(handler=demo)
     check_parser = commands.add_parser("check-config", help="validate a TOML config file without starting")
     check_parser.add_argument("file", metavar="FILE", help="the TOML file `serve --config` would read")

@@ -68,6 +68,8 @@ class GatewayConfig:
     keepalive_timeout_s: float = 15.0
     write_timeout_s: float = 60.0
     shutdown_grace_s: float = 30.0
+    shutdown_delay_s: float = 0.0
+    max_connections: int | None = None  # None: sized from the open-file limit (gateway/api/connections.py)
     api_keys: tuple[str, ...] = ()
     admin_api_keys: tuple[str, ...] = ()
     forward_client_credentials: bool = False
@@ -273,6 +275,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("shutdown_grace_secs", "", "shutdown_grace_s", at_least(0.0, number),
            "on SIGTERM, seconds open requests get to finish; then open streams end with an SSE error event "
            "and requests still waiting for their backend get 503"),
+    Option("shutdown_delay_secs", "", "shutdown_delay_s", at_least(0.0, number),
+           "on SIGTERM, seconds /ready answers 503 while the gateway still accepts and serves, before it stops "
+           "accepting and the grace period starts: time for load balancers (probing /ready, or Kubernetes spreading "
+           "the endpoint's removal) to stop sending; 0 stops accepting at once"),
+    Option("max_connections", "", "max_connections", at_least(1, integer),
+           "client connections open at once; a new one beyond is closed unanswered (counted in "
+           "gateway_client_connections_refused_total); none = half the open-file limit less 64, leaving the "
+           "rest for backend connections and files", "N"),
     Option("api_key", "", "api_keys", strings,
            "client API key (Authorization: Bearer KEY) required on every route but /health and /ready; repeat "
            "for several; also read from --api-key-file and PREFIX_GATEWAY_API_KEYS (comma-separated)", "KEY",

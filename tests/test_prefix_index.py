@@ -1,7 +1,9 @@
 import random
+import tracemalloc
 
 import pytest
 
+from gateway.routing import hashing
 from gateway.routing.hashing import block_hashes
 from gateway.routing.prefix_index import PrefixIndex
 
@@ -17,6 +19,14 @@ def test_shared_prefix_matches_exactly_its_length_in_blocks() -> None:
 def test_chained_hash_depends_on_everything_before_the_block() -> None:
     assert block_hashes("a" * 64 + "b" * 64)[1] != block_hashes("c" * 64 + "b" * 64)[1]
     assert block_hashes("x" * 63) == []
+
+
+def test_a_long_ascii_prompt_hashes_as_one_piece_would_in_any_block_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "".join(f"word {i} " for i in range(200))  # 1,690 characters
+    whole = {block: block_hashes(text, block) for block in (8, 48, 64)}
+    monkeypatch.setattr(hashing, "_ENCODE_CHARS", 100)  # pieces of 96 (block 8, 48) and 64 characters
+    assert {block: block_hashes(text, block) for block in (8, 48, 64)} == whole
+    assert block_hashes(text[:1000] + "é" + text[1000:], 64)[:15] == whole[64][:15]  # non-ASCII: one way only
 
 
 def test_a_leaf_is_a_cached_block_no_cached_prompt_continues() -> None:
@@ -87,6 +97,23 @@ def test_created_at_orders_first_insertion_across_indexes_sharing_a_clock() -> N
     first.insert([1, 2])  # a later use does not change creation time
     assert first.created_at(2) < second.created_at(2)
     assert first.created_at(99) == 0
+
+
+def test_a_cached_block_costs_well_under_200_bytes() -> None:
+    # It was ~330 with a set of children per node, so 86 MB for the quarter of an index a 30 MB prompt may claim.
+    index = PrefixIndex(capacity_blocks=100_000)
+    chain = [hash(("chain", i)) for i in range(20_000)]
+    branches = [[*chain[:100], *(hash((b, i)) for i in range(20))] for b in range(1_000)]
+    tracemalloc.start()
+    try:
+        index.insert(chain)
+        for branch in branches:
+            index.insert(branch)
+        used_bytes = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    index.check_invariants()
+    assert used_bytes / index.size_blocks < 200
 
 
 @pytest.mark.parametrize("seed", range(5))

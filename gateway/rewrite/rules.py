@@ -322,7 +322,7 @@ def with_trailer(body: str, trailer: str, moved: Sequence[str]) -> str:
         return body + trailer
     if not trailer:
         trailer = ("\n\n" if body else "") + MARKER
-    return body + trailer + "".join("\n" + span for span in moved)
+    return "".join([body, trailer, *("\n" + span for span in moved)])  # one copy of a long body, not two
 
 
 def cut(text: str, spans: Sequence[tuple[int, int]]) -> str:

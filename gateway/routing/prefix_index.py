@@ -22,14 +22,38 @@ from sortedcontainers import SortedList
 
 
 class _Node:
-    __slots__ = ("key", "parent", "children", "last_access", "created")
+    __slots__ = ("key", "parent", "child", "more_children", "last_access", "created")
 
     def __init__(self, key: int, parent: _Node | None, tick: int) -> None:
         self.key = key
         self.parent = parent
-        self.children: set[int] = set()
+        # A prompt's blocks form a chain, so most nodes have one child: it is kept inline, and a set is made only
+        # where prompts branch. A set per node (216 bytes even empty) was two thirds of a block's ~330 bytes.
+        self.child: int | None = None  # None: a leaf (and then `more_children` is None too)
+        self.more_children: set[int] | None = None
         self.last_access = tick
         self.created = tick
+
+    def children(self) -> list[int]:
+        if self.child is None:
+            return []
+        return [self.child] if self.more_children is None else [self.child, *self.more_children]
+
+    def add_child(self, key: int) -> None:
+        if self.child is None:
+            self.child = key
+        elif self.more_children is None:
+            self.more_children = {key}
+        else:
+            self.more_children.add(key)
+
+    def remove_child(self, key: int) -> None:
+        if self.child == key:
+            self.child = self.more_children.pop() if self.more_children else None
+        elif self.more_children is not None:
+            self.more_children.discard(key)
+        if not self.more_children:
+            self.more_children = None
 
 
 class PrefixIndex:
@@ -78,7 +102,7 @@ class PrefixIndex:
     def is_leaf(self, key: int) -> bool:
         """Whether block `key` is cached and no cached prompt continues past it."""
         node = self._nodes.get(key)
-        return node is not None and not node.children
+        return node is not None and node.child is None
 
     def created_at(self, key: int) -> int:
         """Clock value at which the block `key` was first inserted (0 when absent)."""
@@ -96,7 +120,7 @@ class PrefixIndex:
             node = self._nodes.get(key)
             if node is None:
                 node = self._add_child(parent, key, tick)
-            elif not node.children:
+            elif node.child is None:
                 self._leaves.remove((node.last_access, key))
                 node.last_access = tick
                 self._leaves.add((tick, key))
@@ -140,9 +164,9 @@ class PrefixIndex:
         if parent is None:
             self._roots.add(key)
         else:
-            if not parent.children:
+            if parent.child is None:
                 self._leaves.remove((parent.last_access, parent.key))
-            parent.children.add(key)
+            parent.add_child(key)
         self._leaves.add((tick, key))
         return node
 
@@ -159,8 +183,8 @@ class PrefixIndex:
         if parent is None:
             self._roots.discard(node.key)
             return
-        parent.children.discard(node.key)
-        if not parent.children:
+        parent.remove_child(node.key)
+        if parent.child is None:
             self._leaves.add((parent.last_access, parent.key))
 
     def _remove_subtree(self, top: _Node) -> int:
@@ -170,7 +194,7 @@ class PrefixIndex:
         while stack:  # collect depth-first, then remove children before parents so each is a leaf
             node = stack.pop()
             order.append(node)
-            stack.extend(self._nodes[key] for key in node.children)
+            stack.extend(self._nodes[key] for key in node.children())
         for node in reversed(order):
             self._remove_leaf(node)
             removed += 1
@@ -186,11 +210,12 @@ class PrefixIndex:
                 assert key in self._roots, "root not registered"
             else:
                 assert self._nodes.get(node.parent.key) is node.parent, "orphan node"
-                assert key in node.parent.children
+                assert key in node.parent.children()
                 assert node.parent.last_access >= node.last_access, "parent older than child"
-            for child in node.children:
+            for child in node.children():
                 assert self._nodes[child].parent is node
-            if not node.children:
+            assert node.more_children is None or (node.child is not None and node.more_children), "loose children"
+            if node.child is None:
                 leaves.add((node.last_access, key))
         assert leaves == set(self._leaves), "leaf set out of date"
         assert self._roots == {k for k, n in self._nodes.items() if n.parent is None}
