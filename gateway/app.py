@@ -37,7 +37,8 @@ from gateway.api.admin import AdminApi
 from gateway.api.admission import Admission
 from gateway.api.auth import ApiKeys
 from gateway.api.drain import Drain
-from gateway.fleet.backends import Backend, Pool
+from gateway.fleet.backends import Backend
+from gateway.fleet.pool import Pool
 from gateway.config import GatewayConfig, check_url
 from gateway.fleet.discovery import Discovery, Membership, sources
 from gateway.observe.dashboard import Dashboard

@@ -9,8 +9,9 @@ import json
 import pytest
 
 from gateway.errors import ModelNotFound
-from gateway.fleet.backends import BackendSpec, Pool
+from gateway.fleet.backends import BackendSpec
 from gateway.fleet.engines import ModelInfo, discover_model
+from gateway.fleet.pool import Pool
 from gateway.routing.hashing import ROOT_SEED, block_hashes, namespace_seed
 from gateway.routing.router import Router, RoutingConfig
 from tests.policy_fixtures import text

@@ -10,8 +10,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway.api.admin import AdminApi
 from gateway.api.auth import ApiKeys
 from gateway.config import check_url
-from gateway.fleet.backends import BackendSpec, Pool
+from gateway.fleet.backends import BackendSpec
 from gateway.fleet.discovery import Membership
+from gateway.fleet.pool import Pool
 
 KEY = {"authorization": "Bearer admin-key"}
 

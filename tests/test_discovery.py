@@ -11,7 +11,7 @@ import pytest
 
 from gateway.config import GatewayConfig, build_config
 from gateway.errors import ConfigError
-from gateway.fleet.backends import Backend, BackendSpec, Pool
+from gateway.fleet.backends import Backend, BackendSpec
 from gateway.fleet.discovery import (
     DnsName,
     DnsSource,
@@ -22,6 +22,7 @@ from gateway.fleet.discovery import (
     parse_backend_file,
 )
 from gateway.fleet.health import Upkeep
+from gateway.fleet.pool import Pool
 from gateway.fleet.shared_state import CLEARED, apply_update, backend_id
 from gateway.observe.metrics import GatewayMetrics
 from tests.policy_fixtures import request, text

@@ -17,7 +17,8 @@ import pytest
 
 from gateway.demo import LLM_MODEL, SYSTEM_PROMPT
 from gateway.errors import BadRequest
-from gateway.fleet.backends import BackendSpec, Pool
+from gateway.fleet.backends import BackendSpec
+from gateway.fleet.pool import Pool
 from simulator.fleet import LOOPBACK, Fleet, FleetError, Process, check_port_free, free_port, redis_installed
 
 

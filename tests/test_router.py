@@ -8,7 +8,8 @@ from gateway.api.prompts import Endpoint
 from gateway.api.relay import Outcome
 from gateway.app import Exchange, Gateway
 from gateway.config import GatewayConfig
-from gateway.fleet.backends import BackendSpec, Pool
+from gateway.fleet.backends import BackendSpec
+from gateway.fleet.pool import Pool
 from gateway.routing.router import MAX_RECORD_SHARE, Router
 from tests.policy_fixtures import text
 

@@ -9,7 +9,8 @@ import pytest
 from gateway.api.prompts import Endpoint, session_key
 from gateway.config import build_config
 from gateway.errors import ConfigError
-from gateway.fleet.backends import Backend, BackendSpec, Pool
+from gateway.fleet.backends import Backend, BackendSpec
+from gateway.fleet.pool import Pool
 from gateway.routing.policies import Route, Visit
 from gateway.routing.policies.registry import configure
 from gateway.routing.router import Router, RoutingConfig

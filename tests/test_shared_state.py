@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from gateway.fleet.backends import Backend, BackendSpec, Pool, RemoteLoad
+from gateway.fleet.backends import Backend, BackendSpec, RemoteLoad
+from gateway.fleet.pool import Pool
 from gateway.fleet.shared_state import (
     CORRECTED,
     DOWN,

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from gateway.fleet.backends import Backend, BackendSpec, Pool
+from gateway.fleet.backends import Backend, BackendSpec
+from gateway.fleet.pool import Pool
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,9 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from gateway.config import GatewayConfig
-from gateway.fleet.backends import Backend, Pool
+from gateway.fleet.backends import Backend
 from gateway.fleet.engines import discover_engine, discover_model, read_load, read_start_time, scrape_metrics
+from gateway.fleet.pool import Pool
 from gateway.fleet.upstream import Failure, UpstreamClient, UpstreamFailure
 
 logger = logging.getLogger(__name__)

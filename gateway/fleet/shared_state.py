@@ -47,7 +47,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from gateway.fleet.backends import Backend, Pool, RemoteLoad
+from gateway.fleet.backends import Backend, RemoteLoad
+from gateway.fleet.pool import Pool
 from gateway.routing.policies import Visit
 from gateway.routing.router import claimed
 from gateway.routing.sessions import Sessions

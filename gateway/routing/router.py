@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.fleet.backends import Backend, Pool
+from gateway.fleet.backends import Backend
+from gateway.fleet.pool import Pool
 from gateway.routing.hashing import ROOT_SEED, block_hashes
 from gateway.routing.policies import Decision, PolicyConfig, Route, RoutingRequest
 from gateway.routing.policies.basic import least_loaded
