@@ -42,17 +42,15 @@ from gateway.fleet.pool import Pool
 from gateway.config import GatewayConfig, check_url
 from gateway.fleet.discovery import Discovery, Membership, sources
 from gateway.observe.dashboard import Dashboard
-from gateway.errors import (BadRequest, ErrorShape, GatewayError, PayloadTooLarge, ShuttingDown,
-                            StoredResponseUnavailable)
+from gateway.errors import BadRequest, ErrorShape, GatewayError, PayloadTooLarge, ShuttingDown
 from gateway.api.headers import HeaderPolicy, client_request_id, forwarded_headers
 from gateway.fleet.health import Upkeep
 from gateway.observe.logs import AccessLog, flush_every
 from gateway.observe.metrics import GatewayMetrics
 from gateway.routing.policies import RoutingRequest
-from gateway.api.prompts import (Endpoint, dump_json, multipart_fields, parse_json, routing_text, session_key,
-                                 validate_body)
+from gateway.api.prompts import Endpoint, dump_json, multipart_fields, read_json, routing_text, session_key
 from gateway.api.relay import Ending, Outcome, Relay, error_for
-from gateway.api.responses import ResponseOwners, locate, response_id_of
+from gateway.api.responses import ResponseOwners, StoredResponses
 from gateway.rewrite import Rewriter, enabled_for
 from gateway.routing.router import Placement, Router
 from gateway.fleet.shared_state import shared_state
@@ -120,7 +118,8 @@ class Gateway:
         self.admission = Admission(config.max_concurrent_requests, config.max_queue_wait_s)
         self.keys = ApiKeys(config.api_keys, config.admin_api_keys)
         self.header_policy = HeaderPolicy(config.forward_client_credentials, config.trusted_proxies)
-        self.responses = ResponseOwners(config.responses_max_ids, config.responses_ttl_s)
+        self.stored = StoredResponses(ResponseOwners(config.responses_max_ids, config.responses_ttl_s), self.pool,
+                                      self.client, config.health.timeout_s, config.expose_backend_urls)
         self.log_access = AccessLog()
         self.drain = Drain(config.shutdown_grace_s)
         self.log_flusher: asyncio.Task[None] | None = None
@@ -171,7 +170,7 @@ class Gateway:
             body = multipart_fields(raw, request.headers.get("content-type", ""))
         model = self.router.resolve_model(body.get("model"), body.get("lora_path"))
         request[MODEL] = model
-        owner = await self.owner_of(body.get("previous_response_id"), "previous_response_id", model) \
+        owner = await self.stored.owner_of(body.get("previous_response_id"), "previous_response_id", model) \
             if endpoint is Endpoint.RESPONSES else None
         session = session_key(endpoint, body, request.headers.get(self.config.session_header)) \
             if self.router.sessions is not None and endpoint.routes_by_prefix else None
@@ -183,31 +182,12 @@ class Gateway:
         request[REQUEST_ID] = request_id_
         raw = await self.read_body(request)
         stored_id = request.match_info["response_id"]
-        owner = await self.owner_of(stored_id, None, None)
+        owner = await self.stored.owner_of(stored_id, None, None)
         model = owner.model if owner is not None and owner.model else self.router.resolve_model(None)
         request[MODEL] = model
         return Exchange(Endpoint.RESPONSES, request.method, request.path, {}, raw, model,
                         request.query.get("stream") == "true", request_id_, time.monotonic(), owner=owner,
                         stored_id=stored_id)
-
-    async def owner_of(self, response_id: Any, param: str | None, model: str | None) -> Backend | None:
-        """The backend holding a stored response (of `model`, if given), None when none is known to; raises
-        StoredResponseUnavailable when that backend is not healthy (no other one holds the response)."""
-        if not isinstance(response_id, str):
-            return None
-        owner = self.responses.owner(response_id)
-        if owner is None:
-            candidates = [b for b in self.pool.backends
-                          if b.healthy and not b.draining and (model is None or b.serves(model))]
-            if len(candidates) < 2:  # routing finds the one there is
-                return None
-            owner = await locate(self.client, candidates, response_id, self.config.health.timeout_s)
-            if owner is not None:
-                self.responses.remember(response_id, owner)
-        if owner is None or (owner.healthy and not owner.draining):  # a draining one is leaving: sent nothing new
-            return owner
-        raise StoredResponseUnavailable(response_id, owner.url if self.config.expose_backend_urls else owner.name,
-                                        param)
 
     async def read_body(self, request: web.Request) -> bytes:
         """The whole body, bounded in size (the app's client_max_size: 413 above it) and in time."""
@@ -301,7 +281,7 @@ class Gateway:
             self.drain.open_relays.discard(relay)
             self.record(placement, exchange, relay.outcome)
             if exchange.endpoint is Endpoint.RESPONSES and relay.outcome.status < 400:
-                self.track_response(exchange, placement.backend, relay)
+                self.stored.answered(placement.backend, exchange.stored_id, exchange.method, relay.tap.payload())
 
     def response_headers(self, exchange: Exchange, placement: Placement) -> dict[str, str]:
         backend = placement.backend
@@ -319,16 +299,6 @@ class Gateway:
             placement.unrecord()
         if outcome.usage is not None and exchange.stored_id is None:  # a retrieved response was counted once
             self.record_usage(placement, exchange, outcome)
-
-    def track_response(self, exchange: Exchange, backend: Backend, relay: Relay) -> None:
-        """Remember which backend stored a new response (its id read from the payload the usage tap parsed
-        anyway); forget a deleted one."""
-        if exchange.stored_id is None:
-            response_id = response_id_of(relay.tap.payload())
-            if response_id is not None:
-                self.responses.remember(response_id, backend)
-        elif exchange.method == "DELETE":
-            self.responses.forget(exchange.stored_id)
 
     def finish(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
         placement.finish()
@@ -423,17 +393,6 @@ class Gateway:
         if self.log_flusher is not None:
             self.log_flusher.cancel()
             await asyncio.gather(self.log_flusher, return_exceptions=True)
-
-
-def read_json(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
-    try:
-        body = parse_json(raw)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"The request body is not valid JSON: {exc}.") from None
-    problem = validate_body(endpoint, body)
-    if problem:
-        raise BadRequest(problem)
-    return body  # validate_body checked it is an object
 
 
 def endpoint_of(request: web.Request) -> Endpoint | None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from gateway.errors import BadRequest
+
 
 class Endpoint(str, Enum):
     CHAT = "chat"                # POST /v1/chat/completions
@@ -84,6 +86,17 @@ def dump_json(body: Any, source: bytes) -> bytes:
 
 # Sequences that cannot occur in JSON-decoded text by accident keep role and content boundaries unambiguous.
 _ROLE_OPEN, _ROLE_CLOSE = "\x1e", "\x1f"
+
+
+def read_json(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+    try:
+        body = parse_json(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}.") from None
+    problem = validate_body(endpoint, body)
+    if problem:
+        raise BadRequest(problem)
+    return body  # validate_body checked it is an object
 
 
 def routing_text(endpoint: Endpoint, body: dict[str, Any]) -> str:
