@@ -146,3 +146,82 @@ def _leading_present(index: PrefixIndex, hashes: list[int]) -> int:
     while present < len(hashes) and index.created_at(hashes[present]):
         present += 1
     return present
+
+
+class _EagerIndex:
+    """The index as first written, for reference: a use touches every block of the prompt, and eviction scans
+    for the least recently used leaf. The index marks only a prompt's last block; it must keep and evict the
+    same blocks, in the same order."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self.parent: dict[int, int | None] = {}
+        self.children: dict[int, set[int]] = {}
+        self.last_use: dict[int, int] = {}
+        self.tick = 0
+
+    def insert(self, hashes: list[int]) -> None:
+        hashes = hashes[: self.capacity_blocks]
+        if not hashes:
+            return
+        self.tick += 1
+        parent = None
+        for key in hashes:
+            if key not in self.parent:
+                self.parent[key], self.children[key] = parent, set()
+                if parent is not None:
+                    self.children[parent].add(key)
+            self.last_use[key] = self.tick
+            parent = key
+        self.evict()
+
+    def evict(self) -> None:
+        while len(self.parent) > self.capacity_blocks:
+            self.remove(min((self.last_use[k], k) for k in self.parent if not self.children[k])[1])
+
+    def remove(self, key: int) -> None:
+        parent = self.parent.pop(key)
+        del self.last_use[key], self.children[key]
+        if parent is not None:
+            self.children[parent].discard(key)
+
+    def truncate(self, hashes: list[int], keep_blocks: int) -> None:
+        if keep_blocks >= len(hashes) or hashes[keep_blocks] not in self.parent:
+            return
+        stack, order = [hashes[keep_blocks]], []
+        while stack:
+            order.append(key := stack.pop())
+            stack.extend(self.children[key])
+        for key in reversed(order):
+            self.remove(key)
+
+    def paths(self) -> list[list[int]]:
+        leaves = sorted((self.last_use[k], k) for k in self.parent if not self.children[k])
+        paths = []
+        for _, key in leaves:
+            path: list[int] = []
+            node: int | None = key
+            while node is not None:
+                path.append(node)
+                node = self.parent[node]
+            paths.append(path[::-1])
+        return paths
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_keeps_and_evicts_what_touching_every_block_would(seed: int) -> None:
+    rng = random.Random(seed)
+    capacity = rng.randint(5, 40)
+    index, reference = PrefixIndex(capacity_blocks=capacity), _EagerIndex(capacity)
+    prompts = [[rng.randint(1, 4) for _ in range(rng.randint(1, 4))] for _ in range(8)]
+    for _ in range(300):
+        path = rng.choice(prompts) + [rng.randint(1, 9) for _ in range(rng.randint(0, 8))]
+        hashes = [hash(tuple(path[: i + 1])) for i in range(len(path))]
+        if rng.random() < 0.85:
+            index.insert(hashes)
+            reference.insert(hashes)
+        else:
+            keep = rng.randint(0, len(hashes))
+            index.truncate(hashes, keep)
+            reference.truncate(hashes, keep)
+        assert index.paths() == reference.paths()

@@ -6,9 +6,11 @@ matching a prompt is one dict probe per block, and two prompts that diverge insi
 different children. Unlike a character-level radix tree there is nothing to split.
 
 Bounded like the engine's own cache: at most `capacity_blocks` nodes. When an insert would exceed it, the least
-recently used *leaf* goes first, as in SGLang's radix cache. A node is always at least as recent as its
-descendants (touching a path touches every node on it), so evicting leaves in LRU order keeps each prefix's
-first blocks longest: the shared system prompt outlives the conversations hanging off it.
+recently used *leaf* goes first, as in SGLang's radix cache. A node's recency is the last use of any prompt
+through it, so a prefix is never older than what continues it, and evicting leaves in LRU order keeps each
+prefix's first blocks longest: the shared system prompt outlives the conversations hanging off it. Only leaves
+are ever compared, so a use marks just the prompt's last block, and a block that leaves hands its recency to
+its parent: an insert costs the blocks it adds and a bisection, not a walk over a long prompt's every block.
 
 Nothing here awaits, so the event loop needs no locks around it.
 """
@@ -110,23 +112,18 @@ class PrefixIndex:
         return node.created if node else 0
 
     def insert(self, hashes: Sequence[int]) -> None:
-        """Record that the backend now caches this prompt: add missing blocks, mark the whole path used."""
+        """Record that the backend now caches this prompt: add the blocks it lacks, mark the prompt used."""
         hashes = hashes[: self._capacity]  # a prompt longer than the cache keeps its head, like the engine
         if not hashes:
             return
         tick = self._clock()
-        parent: _Node | None = None
-        for key in hashes:
-            node = self._nodes.get(key)
-            if node is None:
-                node = self._add_child(parent, key, tick)
-            elif node.child is None:
-                self._leaves.remove((node.last_access, key))
-                node.last_access = tick
-                self._leaves.add((tick, key))
-            else:
-                node.last_access = tick
-            parent = node
+        present = self.match(hashes)
+        if present == len(hashes):
+            self._touch(self._nodes[hashes[-1]], tick)
+        else:
+            parent = self._nodes[hashes[present - 1]] if present else None
+            for key in hashes[present:]:
+                parent = self._add_child(parent, key, tick)
         self._evict_down_to(self._capacity)
 
     def truncate(self, hashes: Sequence[int], keep_blocks: int) -> int:
@@ -170,6 +167,12 @@ class PrefixIndex:
         self._leaves.add((tick, key))
         return node
 
+    def _touch(self, node: _Node, tick: int) -> None:
+        if node.child is None:
+            self._leaves.remove((node.last_access, node.key))
+            self._leaves.add((tick, node.key))
+        node.last_access = tick
+
     def _evict_down_to(self, capacity: int) -> None:
         while len(self._nodes) > capacity:
             _, key = self._leaves[0]
@@ -184,6 +187,7 @@ class PrefixIndex:
             self._roots.discard(node.key)
             return
         parent.remove_child(node.key)
+        parent.last_access = max(parent.last_access, node.last_access)  # its prefix was used that recently
         if parent.child is None:
             self._leaves.add((parent.last_access, parent.key))
 
@@ -211,7 +215,6 @@ class PrefixIndex:
             else:
                 assert self._nodes.get(node.parent.key) is node.parent, "orphan node"
                 assert key in node.parent.children()
-                assert node.parent.last_access >= node.last_access, "parent older than child"
             for child in node.children():
                 assert self._nodes[child].parent is node
             assert node.more_children is None or (node.child is not None and node.more_children), "loose children"
