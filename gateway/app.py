@@ -307,15 +307,15 @@ class Gateway:
             backend.exchange_answered(outcome.status)
         elif outcome.failure is not None and outcome.failure.backend_fault:
             backend.exchange_failed(outcome.failure, outcome.failure.value)
-        route = placement.decision.route.value
+        route, match = placement.decision.route.value, placement.match_fraction
+        status, error = outcome.label, outcome.error
         now_s = time.monotonic()
-        self.metrics.request_done(exchange.endpoint.value, exchange.model, backend.url, route, outcome.label,
-                                  now_s - placement.placed_s, outcome.ttfb_s, placement.match_fraction)
-        if outcome.error and outcome.ending is not Ending.CLIENT_GONE:
-            self.metrics.upstream_errors.labels(backend.url, outcome.error).inc()
-        self.log_access(exchange.method, exchange.path, exchange.model, backend.url, route,
-                        placement.match_fraction, outcome.label, outcome.error, now_s - exchange.started_s,
-                        exchange.request_id)
+        self.metrics.request_done(exchange.endpoint.value, exchange.model, backend.url, route, status,
+                                  now_s - placement.placed_s, outcome.ttfb_s, match)
+        if error and outcome.ending is not Ending.CLIENT_GONE:
+            self.metrics.upstream_errors.labels(backend.url, error).inc()
+        self.log_access(exchange.method, exchange.path, exchange.model, backend.url, route, match, status, error,
+                        now_s - exchange.started_s, exchange.request_id)
 
     def record_usage(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
         usage = outcome.usage
