@@ -43,7 +43,7 @@ from gateway.config import GatewayConfig, check_url
 from gateway.fleet.discovery import Discovery, Membership, sources
 from gateway.observe.dashboard import Dashboard
 from gateway.errors import BadRequest, ErrorShape, GatewayError, PayloadTooLarge, ShuttingDown
-from gateway.api.headers import HeaderPolicy, client_request_id, forwarded_headers
+from gateway.api.headers import HeaderPolicy, client_request_id, forwarded_headers, with_backend_key
 from gateway.fleet.health import Upkeep
 from gateway.observe.logs import AccessLog, flush_every
 from gateway.observe.metrics import GatewayMetrics
@@ -216,17 +216,17 @@ class Gateway:
         """Place the request and open the exchange; one that fails before any answer byte is sent again, up to
         `max_retries` times, to another backend when there is one. Whatever way it fails, the placement is
         released and the outcome recorded."""
+        # Before any placement: a header that cannot be forwarded is the client's 400, with nothing to release.
+        headers = forwarded_headers(request.headers, exchange.request_id, request.remote, self.header_policy)
         tried: list[Placement] = []
         while True:
             placement = self.choose(exchange, routing, [p.backend for p in tried])
             request[PLACED] = True  # from here on, `finish` records however the request ends
             backend = placement.backend
-            headers = forwarded_headers(request.headers, exchange.request_id, request.remote, self.header_policy,
-                                        backend.spec.api_key)
             timeout_s = None if exchange.streaming else self.config.request_timeout_s
             try:
                 upstream = await self.client.open(exchange.method, backend.url + request.path_qs, exchange.raw,
-                                                  headers, timeout_s)
+                                                  with_backend_key(headers, backend.spec.api_key), timeout_s)
             except UpstreamFailure as exc:
                 if not self.retry_after(placement, exchange, exc, len(tried)):
                     raise error_for(exc) from exc
