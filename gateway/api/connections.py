@@ -47,11 +47,16 @@ class ConnectionCap:
         self.max_connections = max_connections
         self.log_interval_s = log_interval_s
         self.refused_total = 0
+        # Handed out but not yet in aiohttp's table: the loop accepts a burst (up to the listen backlog) before
+        # any of them runs connection_made, which it schedules; our callback, scheduled after, settles the count.
+        self._accepting = 0
         self._unlogged = 0
         self._logged_s = -log_interval_s
 
     def __call__(self) -> asyncio.BaseProtocol:
-        if self.open_connections() < self.max_connections:
+        if self.open_connections() + self._accepting < self.max_connections:
+            self._accepting += 1
+            asyncio.get_running_loop().call_soon(self._accepted)
             return self.server()
         self.refused_total += 1
         self._unlogged += 1
@@ -61,6 +66,9 @@ class ConnectionCap:
                            "the last such line", self.open_connections(), self._unlogged)
             self._logged_s, self._unlogged = now_s, 0
         return _Refused()
+
+    def _accepted(self) -> None:
+        self._accepting -= 1
 
     def open_connections(self) -> int:
         """Connections aiohttp serves, including closed ones whose last request is still being handled. Read
