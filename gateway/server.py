@@ -105,9 +105,12 @@ async def run_worker(config: GatewayConfig, reuse_port: bool, max_connections: i
     app.on_startup.append(tune_gc)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                            keepalive_timeout=config.keepalive_timeout_s, shutdown_timeout=config.shutdown_grace_s + 5)
+    stop = stop_signal()  # before start-up (health checks, the shared-state warm-up): a stop then is clean too
     await runner.setup()
     try:
         assert runner.server is not None  # set up above
+        if stop.is_set():
+            return
         cap = ConnectionCap(runner.server, max_connections)
         gateway = app[GATEWAY]
         cap.export(gateway.metrics.registry)
@@ -115,20 +118,27 @@ async def run_worker(config: GatewayConfig, reuse_port: bool, max_connections: i
                                                                    reuse_port=reuse_port or None)
         logger.info("gateway listening on http://%s:%d: policy %s, %d backends, up to %d client connections",
                     config.host, config.port, config.routing.policy, len(config.backends), max_connections)
-        await stop_signal()
+        await stop.wait()
         await gateway.drain.announce(config.shutdown_delay_s)
         listener.close()  # no waiting for its connections here: the runner's cleanup drains them
     finally:
         await runner.cleanup()
 
 
-async def stop_signal() -> None:
-    """Return on the first SIGTERM or SIGINT."""
+def stop_signal() -> asyncio.Event:
+    """Set on the first SIGTERM or SIGINT. That one stops the gateway gracefully; a second one ends it at once
+    (the default action is back), for whoever will not wait for the delay and the grace period."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        stop.set()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(signum, on_signal)
+    return stop
 
 
 def serve(config: GatewayConfig) -> int:
