@@ -129,7 +129,8 @@ def test_large_bodies_are_parsed_without_orjson_and_read_the_same(monkeypatch: p
 
 def test_a_rewritten_body_is_written_as_json_reads_it_back_whatever_it_holds() -> None:
     for source in ('{"m":[{"c":"héllo \\u2028"}],"t":0.1,"x":1e16}', '{"n":100000000000000000000000}',
-                   '{"s":"\\ud800"}', '{"f":NaN,"g":-Infinity}', '{"c":"about NaN"}'):
+                   '{"s":"\\ud800"}', '{"f":NaN,"g":-Infinity}', '{"c":"about NaN"}', '{"t":1e400,"u":-2E+308}',
+                   '{"v":' + "9" * 320 + '.5}'):
         body = parse_json(source.encode())
         written = dump_json(body, source.encode())
         assert json.dumps(json.loads(written)) == json.dumps(body), source  # NaN is not null, 2**70 not refused
