@@ -37,24 +37,24 @@ from gateway.api.admin import AdminApi
 from gateway.api.admission import Admission
 from gateway.api.auth import ApiKeys
 from gateway.api.drain import Drain
-from gateway.fleet.backends import Backend
-from gateway.fleet.pool import Pool
-from gateway.config import GatewayConfig, check_url
-from gateway.fleet.discovery import Discovery, Membership, sources
-from gateway.observe.dashboard import Dashboard
-from gateway.errors import BadRequest, ErrorShape, GatewayError, PayloadTooLarge, ShuttingDown
 from gateway.api.headers import HeaderPolicy, client_request_id, forwarded_headers, with_backend_key
-from gateway.fleet.health import Upkeep
-from gateway.observe.logs import AccessLog, flush_every
-from gateway.observe.metrics import GatewayMetrics
-from gateway.routing.policies import RoutingRequest
 from gateway.api.prompts import Endpoint, dump_json, multipart_fields, read_json, routing_text, session_key
 from gateway.api.relay import Ending, Outcome, Relay, error_for
 from gateway.api.responses import ResponseOwners, StoredResponses
-from gateway.rewrite import Rewriter, enabled_for
-from gateway.routing.router import Placement, Router
+from gateway.config import GatewayConfig, check_url
+from gateway.errors import BadRequest, ErrorShape, GatewayError, PayloadTooLarge, ShuttingDown
+from gateway.fleet.backends import Backend
+from gateway.fleet.discovery import Discovery, Membership, sources
+from gateway.fleet.health import Upkeep
+from gateway.fleet.pool import Pool
 from gateway.fleet.shared_state import shared_state
 from gateway.fleet.upstream import UpstreamClient, UpstreamFailure, UpstreamResponse, log_ignored_proxy_environment
+from gateway.observe.dashboard import Dashboard
+from gateway.observe.logs import AccessLog, flush_every
+from gateway.observe.metrics import GatewayMetrics
+from gateway.rewrite import Rewriter, enabled_for
+from gateway.routing.policies import RoutingRequest
+from gateway.routing.router import Placement, Router
 
 logger = logging.getLogger(__name__)
 

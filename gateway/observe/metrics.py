@@ -95,7 +95,7 @@ class FastHistogram(Collector):
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.label_names)
         for values, child in list(self._children.items()):
             cumulative, total = [], 0
-            for bound, count in zip((*map(floatToGoString, self.bounds), "+Inf"), child.counts):
+            for bound, count in zip((*map(floatToGoString, self.bounds), "+Inf"), child.counts, strict=True):
                 total += count
                 cumulative.append((bound, total))
             family.add_metric(list(values), cumulative, child.sum)
