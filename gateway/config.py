@@ -280,8 +280,8 @@ OPTIONS: tuple[Option, ...] = (
            "accepting and the grace period starts: time for load balancers (probing /ready, or Kubernetes spreading "
            "the endpoint's removal) to stop sending; 0 stops accepting at once"),
     Option("max_connections", "", "max_connections", at_least(1, integer),
-           "client connections open at once; a new one beyond is closed unanswered (counted in "
-           "gateway_client_connections_refused_total); none = half the open-file limit less 64, leaving the "
+           "client connections open at once, per worker; a new one beyond is closed unanswered (counted in "
+           "gateway_client_connections_refused_total); none = the open-file limit less 64, halved, leaving the "
            "rest for backend connections and files", "N"),
     Option("api_key", "", "api_keys", strings,
            "client API key (Authorization: Bearer KEY) required on every route but /health and /ready; repeat "

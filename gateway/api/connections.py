@@ -29,7 +29,7 @@ RESERVED_FILES = 64
 
 
 def default_max_connections(open_files: int) -> int:
-    """Half the open-file limit less `RESERVED_FILES`: a client connection with a request in flight holds a
+    """The open-file limit less `RESERVED_FILES`, halved: a client connection with a request in flight holds a
     backend connection as well, so the other half is left for those."""
     return max(16, (open_files - RESERVED_FILES) // 2)
 
