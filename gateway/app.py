@@ -1,13 +1,15 @@
 """The gateway as an aiohttp application: every generation request goes parse → rewrite → choose → forward →
 record.
 
-    exchange = await self.parse(request, endpoint)     # admitted, body read (bounded), JSON checked, model
-    exchange = self.rewrite(exchange)                   # volatile IDs moved off the prompt prefix (rewrite.py)
-    routing = self.router.routing_request(text)         # chained block hashes of the prompt (hashing.py)
+    exchange = await self.parse(request, endpoint)     # admitted, body read (bounded), JSON checked, model,
+                                                        # session key
+    exchange = self.rewrite(exchange)                   # volatile IDs moved off the prompt prefix (rewrite/)
+    routing = self.router.routing_request(text, ...)    # chained block hashes of the prompt (hashing.py), under
+                                                        # the model's seed, and the session key
     placement, upstream = await self.forward(...)       # router.place: healthy backends filtered, policy picks,
                                                         # load reserved; sent, and again if it failed before
-                                                        # any answer byte (upstream.py says whose fault it was)
-    return await self.relay_answer(...)                 # relayed as it arrives (relay.py), then `record`
+                                                        # any answer byte (fleet/upstream.py says whose fault)
+    return await self.relay_answer(...)                 # relayed as it arrives (api/relay.py), then `record`
 
 The paths and how each is routed are the tables below: prompts routed by prefix (`GENERATION_PATHS`), the
 rest of what engines serve to clients relayed to the least loaded backend (`ENGINE_PATHS`), and a stored
