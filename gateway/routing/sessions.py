@@ -45,7 +45,8 @@ class Visit:
 
     @classmethod
     def of(cls, hashes: Sequence[int], backend: Backend) -> Visit:
-        """A request of these block hashes, sent to `backend` and recorded in its index as far as one may be."""
+        """A request of these block hashes (at least one), sent to `backend` and recorded in its index as far as one
+        may be."""
         index = backend.index
         return cls(backend, len(hashes), hashes[-1], min(len(hashes), index.record_limit_blocks),
                    index.evicted_blocks)
