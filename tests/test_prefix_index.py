@@ -225,3 +225,11 @@ def test_keeps_and_evicts_what_touching_every_block_would(seed: int) -> None:
             index.truncate(hashes, keep)
             reference.truncate(hashes, keep)
         assert index.paths() == reference.paths()
+
+
+def test_one_request_may_record_a_quarter_of_the_index_and_at_least_one_block() -> None:
+    assert PrefixIndex(100).record_limit_blocks == 25
+    assert PrefixIndex(3).record_limit_blocks == 1
+    index = PrefixIndex(100)
+    index.capacity_blocks = 40  # the engine reported a smaller cache
+    assert index.record_limit_blocks == 10

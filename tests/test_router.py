@@ -10,7 +10,8 @@ from gateway.app import Exchange, Gateway
 from gateway.config import GatewayConfig
 from gateway.fleet.backends import BackendSpec
 from gateway.fleet.pool import Pool
-from gateway.routing.router import MAX_RECORD_SHARE, Router
+from gateway.routing.prefix_index import MAX_RECORD_SHARE
+from gateway.routing.router import Router
 from tests.policy_fixtures import text
 
 SYSTEM = text("You are a helpful assistant.", 1000)

@@ -11,10 +11,10 @@ from gateway.config import build_config
 from gateway.errors import ConfigError
 from gateway.fleet.backends import Backend, BackendSpec
 from gateway.fleet.pool import Pool
-from gateway.routing.policies import Route, Visit
+from gateway.routing.policies import Route
 from gateway.routing.policies.registry import configure
 from gateway.routing.router import Router, RoutingConfig
-from gateway.routing.sessions import Sessions
+from gateway.routing.sessions import Sessions, Visit
 from tests.policy_fixtures import make_backends, text
 
 SYSTEM = text("shared agent system prompt with tool rules", 2000)  # 31 blocks
@@ -150,6 +150,25 @@ def test_a_key_weighs_only_for_a_request_continuing_its_last_prompt() -> None:
 def test_baselines_ignore_keys(policy: str) -> None:
     subject = router(policy)
     assert subject.sessions is None and subject.routing_request("x", session="agent-1").session is None
+
+
+def test_a_keyed_request_without_a_full_block_records_no_visit() -> None:
+    subject = router()
+    home = place(subject, turn(3, 2), "agent-3")
+    place(subject, "hi", "agent-3")  # shorter than a block: nothing a later request could continue
+    key = subject.routing_request("", session="agent-3").session
+    assert subject.sessions is not None and key is not None
+    visit = subject.sessions.last_visit(key)
+    assert visit is not None and visit.backend.url == home and visit.blocks > 0
+
+
+def test_a_visit_continues_only_its_own_prompt_on_its_own_backend() -> None:
+    here, there = make_backends(2)
+    visit = Visit(here, 2, 22, 2, 0)
+    assert visit.continued_blocks(here, [11, 22, 33]) == 2
+    assert visit.continued_blocks(there, [11, 22, 33]) == 0  # another backend did not compute it
+    assert visit.continued_blocks(here, [11, 23, 33]) == 0  # another prompt
+    assert visit.continued_blocks(here, [11]) == 0  # shorter than the visit's prompt
 
 
 def test_session_map_forgets_the_least_recently_used_key_first() -> None:

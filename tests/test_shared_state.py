@@ -158,6 +158,22 @@ def test_a_session_key_is_published_with_its_backend_and_learnt_by_the_other_ins
     assert not apply_update(by_id(other), SESSION, backend_id(placement.backend.url), update, 0.0, None)
 
 
+def test_a_replayed_session_visit_older_than_the_ttl_is_skipped() -> None:
+    pool, sessions = healthy_pool(1), Sessions(max_keys=10, ttl_s=60.0)
+    target = backend_id(pool.backends[0].url)
+    # Remembered now, it would live a whole TTL more than the key's last request allows.
+    assert not apply_update(by_id(pool), SESSION, target, (1, 40, 99), 61.0, sessions)
+    assert apply_update(by_id(pool), SESSION, target, (2, 40, 99), 59.0, sessions)
+    assert sessions.last_visit(1) is None and sessions.last_visit(2) is not None
+
+
+def test_a_session_visit_from_another_instance_records_what_one_request_may_record() -> None:
+    pool, sessions = healthy_pool(1), Sessions(max_keys=10, ttl_s=60.0)
+    apply_update(by_id(pool), SESSION, backend_id(pool.backends[0].url), (1, 5000, 99), 0.0, sessions)
+    visit = sessions.last_visit(1)
+    assert visit is not None and visit.recorded_blocks == pool.backends[0].index.record_limit_blocks == 2500
+
+
 def test_a_verdict_from_another_instance_is_not_published_again() -> None:
     backend = healthy_pool(1).backends[0]
     recorder = Recorder()

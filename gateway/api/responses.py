@@ -4,10 +4,11 @@ An engine keeps the responses it produced (`store`, on by default) in its own me
 one in `previous_response_id`, and `GET`/`DELETE /v1/responses/{id}`, only work on that engine. The gateway
 reads each response's id from the answer (the JSON body's `id`, or the `response` object of the stream's last
 event that carries usage: `response.completed`, or `response.created` when the stream broke early) and
-remembers its backend here; requests naming the id go there while it is healthy (`StoredResponses.owner_of`).
+remembers its backend's URL here; requests naming the id go to the pool's backend of that URL while it is healthy
+(`StoredResponses.owner_of`), so a backend that left and came back serves its responses again. A draining backend
+gets no `previous_response_id` (new work), but still answers `GET`, `DELETE` and cancel of the responses it holds.
 
-The map is bounded in entries and in age, oldest first (every entry lives the same `ttl_s`, so the oldest is
-always at the front and expiry is a pop from the left). An id this process does not know (made through another
+The map is bounded in entries and in age (`gateway/expiring.py`). An id this process does not know (made through another
 `--workers` process, before a restart, or forgotten) is looked for (`locate`): every healthy candidate is asked
 `GET /v1/responses/{id}` at once, and the first to answer 200 holds it. Found nowhere, the request is routed as
 any other would be, and an engine answers for the id.
@@ -16,7 +17,6 @@ any other would be, and an engine answers for the id.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -24,46 +24,31 @@ from typing import Any
 from urllib.parse import quote
 
 from gateway.errors import StoredResponseUnavailable
-from gateway.fleet.backends import Backend
+from gateway.expiring import ExpiringLru
+from gateway.fleet.backends import Backend, BackendSpec
 from gateway.fleet.pool import Pool
 from gateway.fleet.upstream import UpstreamClient, UpstreamFailure
 
 logger = logging.getLogger(__name__)
 
 
-class ResponseOwners:
+class ResponseOwners(ExpiringLru[str, BackendSpec]):
+    """Each stored response's backend, by its spec, not its `Backend`: a backend that leaves and joins again (a DNS
+    flip, a rewritten backends file, an admin DELETE and POST) is a new `Backend` of the same URL, and it still
+    holds the responses it stored."""
+
     def __init__(self, max_ids: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.max_ids = max_ids
-        self.ttl_s = ttl_s
-        self._clock = clock
-        self._owners: collections.OrderedDict[str, tuple[Backend, float]] = collections.OrderedDict()
+        super().__init__(max_ids, ttl_s, clock)
 
-    def __len__(self) -> int:
-        return len(self._owners)
+    def remember(self, response_id: str, backend: BackendSpec) -> None:
+        self.put(response_id, backend)
 
-    def remember(self, response_id: str, backend: Backend) -> None:
-        now = self._clock()
-        self._owners.pop(response_id, None)
-        self._owners[response_id] = (backend, now)
-        self._expire(now)
-        while len(self._owners) > self.max_ids:
-            self._owners.popitem(last=False)
-
-    def owner(self, response_id: str) -> Backend | None:
+    def owner(self, response_id: str) -> BackendSpec | None:
         """The backend that produced `response_id`, or None when it is unknown or its record has expired."""
-        self._expire(self._clock())
-        found = self._owners.get(response_id)
-        return found[0] if found is not None else None
+        return self.get(response_id)
 
     def forget(self, response_id: str) -> None:
-        self._owners.pop(response_id, None)
-
-    def _expire(self, now: float) -> None:
-        while self._owners:
-            _, (_, at) = next(iter(self._owners.items()))
-            if now - at < self.ttl_s:
-                return
-            self._owners.popitem(last=False)
+        self.pop(response_id)
 
 
 class StoredResponses:
@@ -80,21 +65,32 @@ class StoredResponses:
 
     async def owner_of(self, response_id: Any, param: str | None, model: str | None) -> Backend | None:
         """The backend holding a stored response (of `model`, if given), None when none is known to; raises
-        StoredResponseUnavailable when that backend is not healthy (no other one holds the response)."""
+        StoredResponseUnavailable when that backend is not available (no other one holds the response).
+        `param` is the body field that named the id, for a new request continuing the response; None when the
+        path names it (GET, DELETE or cancel of the response itself), which a draining backend still serves: it
+        finishes what it holds, and only new work leaves it."""
         if not isinstance(response_id, str):
             return None
-        owner = self.owners.owner(response_id)
-        if owner is None:
-            candidates = [b for b in self.pool.backends
-                          if b.healthy and not b.draining and (model is None or b.serves(model))]
-            if len(candidates) < 2:  # routing finds the one there is
-                return None
-            owner = await locate(self.client, candidates, response_id, self.probe_timeout_s)
-            if owner is not None:
-                self.owners.remember(response_id, owner)
-        if owner is None or (owner.healthy and not owner.draining):  # a draining one is leaving: sent nothing new
+        new_work = param is not None
+        spec = self.owners.owner(response_id)
+        if spec is None:
+            return await self._locate(response_id, model, new_work)
+        owner = self.pool.find(spec.url)  # not the Backend that answered: one that left and joined again is new
+        if owner is not None and owner.healthy and not (new_work and owner.draining):
             return owner
-        raise StoredResponseUnavailable(response_id, owner.url if self.expose_backend_urls else owner.name, param)
+        raise StoredResponseUnavailable(response_id, spec.url if self.expose_backend_urls else spec.name or spec.url,
+                                        param)
+
+    async def _locate(self, response_id: str, model: str | None, new_work: bool) -> Backend | None:
+        """Ask every healthy backend that may hold the id (of `model`, if given), remember the one that does."""
+        candidates = [b for b in self.pool.backends
+                      if b.healthy and not (new_work and b.draining) and (model is None or b.serves(model))]
+        if len(candidates) < 2:  # routing finds the one there is
+            return None
+        owner = await locate(self.client, candidates, response_id, self.probe_timeout_s)
+        if owner is not None:
+            self.owners.remember(response_id, owner.spec)
+        return owner
 
     def answered(self, backend: Backend, stored_id: str | None, method: str, payload: Any) -> None:
         """A successful answer from `backend`: remember which backend stored a new response (its id read from the
@@ -102,7 +98,7 @@ class StoredResponses:
         if stored_id is None:
             response_id = response_id_of(payload)
             if response_id is not None:
-                self.owners.remember(response_id, backend)
+                self.owners.remember(response_id, backend.spec)
         elif method == "DELETE":
             self.owners.forget(stored_id)
 

@@ -17,8 +17,9 @@ appending a few bytes to a local buffer (`Backend.publisher`); a background task
   in the same round trip. Sums over the fresh ones (sequence moved within `LOAD_TTL_S`) land in
   `Backend.remote`, which the policies add to their own.
 - A session key's last backend (`gateway/routing/sessions.py`) goes through the same stream: the key's 64-bit
-  hash, the prompt's block count and last block hash, 24 bytes. Every instance then knows where each key was
-  served last, whichever instance served it.
+  hash, the prompt's block count and last block hash: with the update's 7-byte header, 31 bytes. Every instance
+  then knows where each key was served last, whichever instance served it; a visit replayed at start that is
+  older than the session TTL is skipped.
 - A backend one instance marks down is taken out by the others at once (its index cleared); their own health
   checks bring it back at their next good check. A verdict older than `DOWN_VERDICT_MAX_AGE_S` (replayed) only
   clears the index.
@@ -37,7 +38,7 @@ import struct
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -49,9 +50,6 @@ from redis.exceptions import RedisError
 
 from gateway.fleet.backends import Backend, RemoteLoad
 from gateway.fleet.pool import Pool
-from gateway.routing.policies import Visit
-from gateway.routing.router import claimed
-from gateway.routing.sessions import Sessions
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +73,14 @@ _HEADER = struct.Struct("<BIH")  # kind, backend id, number of hashes that follo
 _MAX_HASHES = 0xFFFF  # a longer prompt keeps its head, as an index shorter than it does
 _LOAD_HEAD = struct.Struct("<Q")  # sequence number
 _LOAD_ENTRY = struct.Struct("<IIIII")  # backend id, in flight, prefilling, prefill tokens, active blocks
+
+
+class SessionMap(Protocol):
+    """Where session keys were served last (gateway/routing/sessions.py's `Sessions`)."""
+
+    def visited_elsewhere(self, key: int, backend: Backend, blocks: int, last_hash: int, age_s: float) -> bool:
+        """Another instance sent the key's last request to `backend` `age_s` ago; False when not remembered."""
+        ...
 
 
 # -- encoding ------------------------------------------------------------------------------------------------
@@ -120,9 +126,9 @@ def local_load(backend: Backend, now_s: float) -> RemoteLoad:
 
 
 def apply_update(backends: dict[int, Backend], kind: int, backend: int, hashes: Sequence[int], age_s: float,
-                 sessions: Sessions | None = None) -> bool:
+                 sessions: SessionMap | None = None) -> bool:
     """Apply one update another instance published `age_s` ago; False when it names no backend of ours, or is of a
-    kind this version does not know (or a session key, when this instance keeps none)."""
+    kind this version does not know (or a session key, when this instance keeps none or it has expired)."""
     target = backends.get(backend)
     if target is None:
         return False
@@ -130,10 +136,8 @@ def apply_update(backends: dict[int, Backend], kind: int, backend: int, hashes: 
         if sessions is None or len(hashes) != 3:
             return False
         key, blocks, last_hash = hashes
-        # Eviction counts differ between instances: counted from now, a publication's delay late.
-        recorded = min(blocks, len(claimed(target, range(blocks))))
-        sessions.visited(key, Visit(target, blocks, last_hash, recorded, target.index.evicted_blocks))
-    elif kind == PLACED:
+        return sessions.visited_elsewhere(key, target, blocks, last_hash, age_s)
+    if kind == PLACED:
         target.index.insert(hashes)
     elif kind == CORRECTED:
         target.index.truncate(hashes, 0)
@@ -194,7 +198,7 @@ class SharedState:
     """This instance's side of the shared view: the publisher of its backends and the applier of the others'."""
 
     def __init__(self, url: str, pool: Pool, registry: CollectorRegistry, instance: str | None = None,
-                 sessions: Sessions | None = None) -> None:
+                 sessions: SessionMap | None = None) -> None:
         self.instance = instance or secrets.token_hex(4)
         self._id = self.instance.encode()
         self._pool = pool
@@ -464,5 +468,5 @@ class LocalState:
 
 
 def shared_state(url: str | None, pool: Pool, registry: CollectorRegistry,
-                 sessions: Sessions | None = None) -> SharedState | LocalState:
+                 sessions: SessionMap | None = None) -> SharedState | LocalState:
     return LocalState() if url is None else SharedState(url, pool, registry, sessions=sessions)

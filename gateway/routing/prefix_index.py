@@ -22,6 +22,10 @@ from collections.abc import Callable, Sequence
 
 from sortedcontainers import SortedList
 
+# The most of an index one request may record. A giant prompt (30 MB, say, and rejected at that) would otherwise
+# evict every conversation the index knows of; its head is kept, which is what later requests match.
+MAX_RECORD_SHARE = 0.25
+
 
 class _Node:
     __slots__ = ("key", "parent", "child", "more_children", "last_access", "created")
@@ -84,6 +88,11 @@ class PrefixIndex:
     def capacity_blocks(self, blocks: int) -> None:
         self._capacity = max(1, blocks)
         self._evict_down_to(self._capacity)
+
+    @property
+    def record_limit_blocks(self) -> int:
+        """The most leading blocks of one prompt that one request may record (`MAX_RECORD_SHARE`), at least 1."""
+        return max(1, int(self._capacity * MAX_RECORD_SHARE))
 
     def match(self, hashes: Sequence[int]) -> int:
         """Number of leading blocks of `hashes` present; does not count as a use.

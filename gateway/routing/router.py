@@ -19,7 +19,7 @@ from gateway.routing.hashing import ROOT_SEED, block_hashes
 from gateway.routing.policies import Decision, PolicyConfig, Route, RoutingRequest
 from gateway.routing.policies.basic import least_loaded
 from gateway.routing.policies.registry import DEFAULT_POLICY, default_config, make_policy
-from gateway.routing.sessions import Sessions, key_hash
+from gateway.routing.sessions import Sessions, Visit, key_hash
 
 # A backend reporting less than this share of the predicted cached tokens has evicted that prefix.
 EVICTION_EVIDENCE_RATIO = 0.5
@@ -126,11 +126,11 @@ class Router:
         NoHealthyBackend when none is healthy."""
         candidates = self.pool.serving(model, exclude=avoid) or self.pool.candidates(model)
         key, sessions = request.session, self.sessions
-        if key is None or sessions is None:
+        if key is None or sessions is None or not request.hashes:  # no full block: nothing for a key to vouch for
             return self._reserve(self.policy.choose(candidates, request), request)
         request = request._replace(last_visit=sessions.last_visit(key))
         decision = self.policy.choose(candidates, request)
-        visit = request.visit(decision.backend, len(claimed(decision.backend, request.hashes)))
+        visit = Visit.of(request.hashes, decision.backend)
         sessions.visited(key, visit)  # the key follows its request
         decision.backend.publisher.session_visited(decision.backend, key, visit.blocks, visit.last_hash)
         return self._reserve(decision, request)
@@ -151,19 +151,9 @@ class Router:
         return Placement(decision, request)
 
 
-# The most of a backend's prefix index one request may claim. A giant prompt (30 MB, say, and rejected at that)
-# would otherwise evict every conversation the index knows of; its head is kept, which is what later requests match.
-MAX_RECORD_SHARE = 0.25
-
-
 def record(backend: Backend, hashes: Sequence[int]) -> None:
     """Record that the backend will cache this prompt, as much of it as one request may claim, and tell the
     other gateway instances when state is shared."""
-    head = claimed(backend, hashes)
+    head = hashes[:backend.index.record_limit_blocks]
     backend.index.insert(head)
     backend.publisher.placed(backend, head)
-
-
-def claimed(backend: Backend, hashes: Sequence[int]) -> Sequence[int]:
-    """The head of a prompt one request may record in the backend's index."""
-    return hashes[: max(1, int(backend.index.capacity_blocks * MAX_RECORD_SHARE))]

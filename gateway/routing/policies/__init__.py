@@ -17,6 +17,7 @@ from enum import Enum
 from typing import NamedTuple, Protocol
 
 from gateway.fleet.backends import Backend
+from gateway.routing.sessions import Visit
 
 
 class Route(str, Enum):
@@ -31,23 +32,6 @@ class Route(str, Enum):
     POWER_OF_TWO = "power-of-two"
     OWNER = "owner"                  # it holds the stored response the request continues (gateway/api/responses.py)
     SESSION = "session"              # its session key's history, beyond what its prefix index still predicts
-
-
-@dataclass(frozen=True, slots=True)  # a few 100k of them live in the session map
-class Visit:
-    """Where a session key's last request went (gateway/routing/sessions.py): its backend; its prompt as the
-    number of hashed blocks, the hash of the last one and how many of them the backend's index recorded (a request
-    claims at most a quarter of an index); and how many blocks that index had evicted then."""
-
-    backend: Backend
-    blocks: int
-    last_hash: int
-    recorded_blocks: int
-    evicted_blocks: int
-
-    def pushed_out(self) -> int:
-        """Blocks the backend's index evicted since the visit: newer content, which pushes this out in turn."""
-        return self.backend.index.evicted_blocks - self.evicted_blocks
 
 
 class RoutingRequest(NamedTuple):
@@ -79,19 +63,6 @@ class RoutingRequest(NamedTuple):
     @property
     def prompt_tokens(self) -> int:
         return self.tokens(self.text_chars)
-
-    def session_blocks(self, backend: Backend) -> int:
-        """Blocks of this prompt that `backend` computed for the session's last request: all of that prompt when
-        this one continues it (its last block hash is ours at the same place) and it went to `backend`, else 0."""
-        visit = self.last_visit
-        if visit is None or visit.backend is not backend or not 0 < visit.blocks <= len(self.hashes):
-            return 0
-        return visit.blocks if self.hashes[visit.blocks - 1] == visit.last_hash else 0
-
-    def visit(self, backend: Backend, recorded_blocks: int) -> Visit:
-        """This request as its session's last visit, to `backend`, whose index recorded its first blocks."""
-        return Visit(backend, len(self.hashes), self.hashes[-1] if self.hashes else 0, recorded_blocks,
-                     backend.index.evicted_blocks)
 
 
 class Decision(NamedTuple):

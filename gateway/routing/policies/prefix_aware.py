@@ -120,30 +120,30 @@ class PrefixAware:
         self._turn += 1
         eligible = self._not_saturated(backends)
         matches = {id(b): b.index.match(request.hashes) for b in eligible}
-        chosen = self._cheapest(eligible, matches, request)
+        vouched = {id(b): self.session_blocks(b, matches[id(b)], request) for b in eligible} \
+            if request.last_visit is not None else {}
+        chosen = self._cheapest(eligible, matches, vouched, request)
         matched, deepest = matches[id(chosen)], max(matches.values())
         if not deepest or request.match_fraction(deepest) < self.config.cache_threshold:
             route = Route.LEAST_LOAD
         else:
             route = Route.PREFIX if matched == deepest else Route.SPILL
-        if request.last_visit is not None and self.session_blocks(chosen, matched, request) > matched:
+        if vouched.get(id(chosen), 0) > matched:
             route = Route.SESSION
         return Decision(chosen, route, matched)
 
-    def cost(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> float:
+    def cost(self, backend: Backend, matched_blocks: int, request: RoutingRequest, session_blocks: int = 0) -> float:
+        """`session_blocks`: what the request's session key vouches `backend` holds (`session_blocks()`)."""
         config = self.config
         uncached = request.uncached_tokens(matched_blocks)
         now_s = time.monotonic()
         cost = (self.queued_prefill(backend, uncached, now_s) + config.affinity_weight * uncached
                 + config.active_weight * request.block_tokens(backend.active_blocks + backend.remote.active_blocks)
                 + config.decode_weight_tokens * backend.fleet_in_flight)
-        continues_session = False
-        if request.last_visit is not None:
-            session_blocks = self.session_blocks(backend, matched_blocks, request)
-            if session_blocks > matched_blocks:  # the session's last prompt, there beyond what the index knows
-                continues_session = True
-                cost -= config.session_weight * config.affinity_weight * \
-                    (uncached - request.uncached_tokens(session_blocks))
+        continues_session = session_blocks > matched_blocks  # the key's last prompt, beyond what the index knows
+        if continues_session:
+            cost -= config.session_weight * config.affinity_weight * \
+                (uncached - request.uncached_tokens(session_blocks))
         if not continues_session and _starts_branch(backend, matched_blocks, request):
             cost += config.held_weight * request.block_tokens(backend.index.size_blocks)
         return cost
@@ -153,9 +153,10 @@ class PrefixAware:
         while its index still holds the part of that prompt it recorded (the engine keeps what the index does),
         and until the index has evicted, since, as much as the engine keeps for prefixes (`index_kv_share` of its
         reported KV capacity): then the rest is gone from the engine too."""
-        blocks, visit = request.session_blocks(backend), request.last_visit
-        if not blocks or visit is None or matched_blocks < visit.recorded_blocks or not backend.capacity_tokens:
+        visit = request.last_visit
+        if visit is None or matched_blocks < visit.recorded_blocks or not backend.capacity_tokens:
             return 0
+        blocks = visit.continued_blocks(backend, request.hashes)
         engine_blocks = backend.capacity_tokens * self.config.index_kv_share * request.chars_per_token \
             / request.block_chars
         return blocks if visit.pushed_out() + blocks <= engine_blocks else 0
@@ -172,11 +173,12 @@ class PrefixAware:
                 queued += unknown * each
         return queued
 
-    def _cheapest(self, backends: Sequence[Backend], matches: dict[int, int], request: RoutingRequest) -> Backend:
+    def _cheapest(self, backends: Sequence[Backend], matches: dict[int, int], vouched: dict[int, int],
+                  request: RoutingRequest) -> Backend:
         """Least cost; ties to the emptiest index (room for a new prefix), then by rotation."""
         count = len(backends)
         rotated = [backends[(self._turn + i) % count] for i in range(count)]
-        return min(rotated, key=lambda b: (self.cost(b, matches[id(b)], request),
+        return min(rotated, key=lambda b: (self.cost(b, matches[id(b)], request, vouched.get(id(b), 0)),
                                            b.index.size_blocks / b.index.capacity_blocks))
 
     def _not_saturated(self, backends: Sequence[Backend]) -> list[Backend]:
