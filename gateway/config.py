@@ -124,7 +124,7 @@ def _dns_names(key: str, value: Any) -> tuple[str, ...]:
             DnsName.parse(name)
         except ValueError as exc:
             raise ConfigError(f"{key} must be HOST:PORT names, got {name!r}: {exc}") from None
-    return names
+    return tuple(dict.fromkeys(names))  # a name given twice is one source, not two watching the same URLs
 
 
 def _store_url(key: str, value: Any) -> str:

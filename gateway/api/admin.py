@@ -2,7 +2,8 @@
 
     GET    /admin/backends               every backend as GET /backends describes it (with source, draining)
     POST   /admin/backends               {"url", "name"?, "model"?, "api_key"?}: added, 201; it serves after its
-                                         first good health check
+                                         first good health check. 409 when the URL or name is taken, or the URL
+                                         still drains with another name, model or key (the same: taken back)
     POST   /admin/backends/{name}/drain  chosen for nothing new; its requests in flight finish; it stays listed
     DELETE /admin/backends/{name}        drained, then removed once nothing of it is in flight: 202
 
@@ -74,15 +75,14 @@ class AdminApi:
 
     async def drain(self, request: web.Request) -> web.Response:
         backend = self.backend_of(request)
-        self.membership.drain(backend)
+        self.pool.drain(backend)
         return web.json_response({"backend": backend.describe()})
 
     async def remove(self, request: web.Request) -> web.Response:
         backend = self.backend_of(request)
         described = backend.describe()
         self.membership.leave(backend)
-        removed = backend not in self.pool.backends
-        return web.json_response({"backend": {**described, "draining": True}, "removed": removed}, status=202)
+        return web.json_response({"backend": {**described, "draining": True}, "removed": backend.removed}, status=202)
 
     # -- reading requests -------------------------------------------------------------------------------------
 

@@ -80,6 +80,10 @@ class Pool:
             logger.info("backend %s draining: %d requests in flight", backend.url, backend.in_flight)
         backend.draining = True
 
+    def undrain(self, backend: Backend) -> None:
+        """`backend` serves again: a URL that came back before it had left (discovery.py)."""
+        backend.draining = False
+
     def remove(self, backend: Backend) -> None:
         """`backend` leaves the pool and its index is freed. Anything still holding it (a request in flight, a
         remembered stored response) sees it unhealthy."""
@@ -87,7 +91,7 @@ class Pool:
             self.backends.remove(backend)
             self.version += 1
             logger.info("backend %s removed", backend.url)
-        backend.draining = True
+        backend.removed = backend.draining = True
         backend.healthy = False
         backend.index.clear()
 
