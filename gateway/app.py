@@ -42,7 +42,8 @@ from gateway.fleet.pool import Pool
 from gateway.config import GatewayConfig, check_url
 from gateway.fleet.discovery import Discovery, Membership, sources
 from gateway.observe.dashboard import Dashboard
-from gateway.errors import BadRequest, ErrorShape, GatewayError, PayloadTooLarge, ShuttingDown
+from gateway.errors import (BadRequest, ErrorShape, GatewayError, PayloadTooLarge, ShuttingDown, http_error,
+                            unexpected_error)
 from gateway.api.headers import HeaderPolicy, client_request_id, forwarded_headers
 from gateway.fleet.health import Upkeep
 from gateway.observe.logs import AccessLog, flush_every
@@ -418,17 +419,13 @@ def error_middleware(gateway: Gateway) -> Middleware:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            error = GatewayError(f"{request.method} {request.path}: {exc.reason}", code=str(exc.status))
-            error.status_code = exc.status
-            error.error_type = "invalid_request_error"
-            return error_response(gateway, request, error)
+            return error_response(gateway, request, http_error(request.method, request.path, exc))
         except RecursionError:  # JSON nested near the parser's limit, walked again by a later step
             return error_response(gateway, request, BadRequest("The request body is nested too deeply."))
         except (asyncio.CancelledError, ConnectionError):
             raise
         except Exception:
-            logger.exception("unexpected error on %s %s", request.method, request.path)
-            return error_response(gateway, request, GatewayError("The gateway failed unexpectedly; see its log."))
+            return error_response(gateway, request, unexpected_error(request.method, request.path))
 
     return middleware
 

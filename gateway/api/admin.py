@@ -15,6 +15,7 @@ with `--workers N` (each worker has a pool of its own; a backend file or DNS nam
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -23,7 +24,8 @@ from typing import Any
 from aiohttp import web
 
 from gateway.api.auth import ApiKeys
-from gateway.errors import BackendNotFound, BadRequest, ConfigError, Conflict, GatewayError
+from gateway.errors import (BackendNotFound, BadRequest, ConfigError, Conflict, GatewayError, http_error,
+                            unexpected_error)
 from gateway.fleet.backends import Backend, BackendSpec
 from gateway.fleet.discovery import Membership, name_of
 
@@ -123,10 +125,16 @@ class AdminApi:
             self.keys.check_admin(request.headers)
             return await handler(request)
         except GatewayError as exc:
-            return web.json_response(exc.body(), status=exc.status_code, headers=exc.headers())
+            return self._error(exc)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            error = GatewayError(f"{request.method} {request.path}: {exc.reason}", code=str(exc.status))
-            error.error_type = "invalid_request_error"
-            return web.json_response(error.body(), status=exc.status)
+            return self._error(http_error(request.method, request.path, exc))
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception:
+            return self._error(unexpected_error(request.method, request.path))
+
+    @staticmethod
+    def _error(error: GatewayError) -> web.Response:
+        return web.json_response(error.body(), status=error.status_code, headers=error.headers())
