@@ -24,8 +24,15 @@ from typing import Any
 from aiohttp import web
 
 from gateway.api.auth import ApiKeys
-from gateway.errors import (BackendNotFound, BadRequest, ConfigError, Conflict, GatewayError, http_error,
-                            unexpected_error)
+from gateway.errors import (
+    BackendNotFound,
+    BadRequest,
+    ConfigError,
+    Conflict,
+    GatewayError,
+    http_error,
+    unexpected_error,
+)
 from gateway.fleet.backends import Backend, BackendSpec
 from gateway.fleet.discovery import Membership, name_of
 
