@@ -97,7 +97,7 @@ class Upkeep:
     async def _discover(self, backend: Backend) -> None:
         timeout_s = self.config.health.timeout_s
         if backend.discovered_model(await discover_model(self.client, backend.url, timeout_s)):
-            self.pool.models_changed()
+            self.pool.models_learned()
         if backend.engine is None:
             backend.discovered_engine(await discover_engine(self.client, backend.url, timeout_s),
                                       self.config.index_capacity_blocks)
