@@ -113,6 +113,7 @@ class Gateway:
         self.router = Router(self.pool, config.routing, config.default_model)
         self.rewriter = Rewriter(config.rewrite)
         self.metrics = GatewayMetrics(self.pool)
+        self.pool.models_gone = self.metrics.forget_models  # an unloaded adapter's series go
         self.shared = shared_state(config.state, self.pool, self.metrics.registry, self.router.sessions)
         self.client = UpstreamClient(config.connect_timeout_s, config.first_byte_timeout_s, config.request_timeout_s)
         self.upkeep = Upkeep(self.pool, self.client, config)

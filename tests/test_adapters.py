@@ -12,6 +12,7 @@ from gateway.errors import ModelNotFound
 from gateway.fleet.backends import BackendSpec
 from gateway.fleet.engines import ModelInfo, discover_model
 from gateway.fleet.pool import Pool
+from gateway.observe.metrics import GatewayMetrics
 from gateway.routing.hashing import ROOT_SEED, block_hashes, namespace_seed
 from gateway.routing.router import Router, RoutingConfig
 from tests.policy_fixtures import text
@@ -159,3 +160,19 @@ def test_resolving_an_adapter_lists_no_models_per_request() -> None:
     assert len(listed) == 1
     with pytest.raises(ModelNotFound):
         pool.resolve_model("chat", None)
+
+
+def test_an_adapter_no_backend_serves_any_more_leaves_no_metric_series() -> None:
+    pool = fleet(listing("llama", "sql"), listing("llama", "sql"))
+    metrics = GatewayMetrics(pool)
+    pool.models_gone = metrics.forget_models
+    for model in ("llama", "sql"):
+        metrics.request_done("chat", model, "http://b0", "prefix", "200", 0.1, 0.05, 0.5)
+        for counter in metrics.token_counters(model, "http://b0"):
+            counter.inc(10)
+    for backend in pool.backends:  # sql unloaded, one backend after the other
+        backend.discovered_model(listing("llama"))
+        pool.models_learned()
+        assert ('model="sql"' in metrics.render().decode()) == (backend is pool.backends[0])
+    assert 'model="llama"' in metrics.render().decode()
+    metrics.request_done("chat", "llama", "http://b0", "prefix", "200", 0.1, 0.05, 0.5)  # still bound
