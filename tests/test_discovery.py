@@ -303,8 +303,8 @@ def test_a_backends_name_never_carries_the_credentials_of_its_url(url: str, name
 
 
 def test_backend_dns_names_given_twice_are_watched_once() -> None:
-    assert build_config({"backend_dns": ["svc:8000", "svc:8000", "other:1"]}, {}).backend_dns == ("svc:8000",
-                                                                                                 "other:1")
+    names = ["svc:8000", "svc:8000", "other:1", "http://svc:8000"]
+    assert build_config({"backend_dns": names}, {}).backend_dns == ("svc:8000", "other:1")
 
 
 def test_one_url_that_fails_to_join_does_not_stop_the_others_and_is_tried_again() -> None:
