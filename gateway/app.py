@@ -44,7 +44,15 @@ from gateway.api.prompts import Endpoint, dump_json, multipart_fields, read_json
 from gateway.api.relay import Ending, Outcome, Relay, error_for
 from gateway.api.responses import ResponseOwners, StoredResponses
 from gateway.config import GatewayConfig, check_url
-from gateway.errors import BadRequest, ErrorShape, GatewayError, PayloadTooLarge, ShuttingDown
+from gateway.errors import (
+    BadRequest,
+    ErrorShape,
+    GatewayError,
+    PayloadTooLarge,
+    ShuttingDown,
+    http_error,
+    unexpected_error,
+)
 from gateway.fleet.backends import Backend
 from gateway.fleet.discovery import Discovery, Membership, sources
 from gateway.fleet.health import Upkeep
@@ -114,6 +122,7 @@ class Gateway:
         self.router = Router(self.pool, config.routing, config.default_model)
         self.rewriter = Rewriter(config.rewrite)
         self.metrics = GatewayMetrics(self.pool)
+        self.pool.models_gone = self.metrics.forget_models  # an unloaded adapter's series go
         self.shared = shared_state(config.state, self.pool, self.metrics.registry, self.router.sessions)
         self.client = UpstreamClient(config.connect_timeout_s, config.first_byte_timeout_s, config.request_timeout_s)
         self.upkeep = Upkeep(self.pool, self.client, config)
@@ -420,17 +429,13 @@ def error_middleware(gateway: Gateway) -> Middleware:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            error = GatewayError(f"{request.method} {request.path}: {exc.reason}", code=str(exc.status))
-            error.status_code = exc.status
-            error.error_type = "invalid_request_error"
-            return error_response(gateway, request, error)
+            return error_response(gateway, request, http_error(request.method, request.path, exc))
         except RecursionError:  # JSON nested near the parser's limit, walked again by a later step
             return error_response(gateway, request, BadRequest("The request body is nested too deeply."))
         except (asyncio.CancelledError, ConnectionError):
             raise
         except Exception:
-            logger.exception("unexpected error on %s %s", request.method, request.path)
-            return error_response(gateway, request, GatewayError("The gateway failed unexpectedly; see its log."))
+            return error_response(gateway, request, unexpected_error(request.method, request.path))
 
     return middleware
 

@@ -118,13 +118,15 @@ def _workers(key: str, value: Any) -> int:
 
 
 def _dns_names(key: str, value: Any) -> tuple[str, ...]:
-    names = strings(key, value)
-    for name in names:
+    """The names, each once: a name given twice (`h:1` and `http://h:1` too) is one source, not two watching the
+    same URLs."""
+    unique: dict[DnsName, str] = {}
+    for name in strings(key, value):
         try:
-            DnsName.parse(name)
+            unique.setdefault(DnsName.parse(name), name)
         except ValueError as exc:
             raise ConfigError(f"{key} must be HOST:PORT names, got {name!r}: {exc}") from None
-    return names
+    return tuple(unique.values())
 
 
 def _store_url(key: str, value: Any) -> str:

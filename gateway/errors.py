@@ -1,14 +1,21 @@
 """One exception hierarchy for everything the gateway refuses or fails at.
 
 Each error knows its HTTP status and OpenAI error ``type``; `app.py` turns any of them into an error body in
-one place (`error_response`), so no handler builds error JSON by hand. The body is OpenAI's shape, except on
+one place (`error_response`), so no handler builds error JSON by hand. What is not ours yet -- aiohttp's own
+refusals, a bug -- becomes one here (`http_error`, `unexpected_error`), for the gateway's and the admin API's
+middleware alike. The body is OpenAI's shape, except on
 Anthropic's Messages API (`/v1/messages...`), whose SDKs read Anthropic's: `ErrorShape.for_path` decides.
 """
 
 from __future__ import annotations
 
+import logging
 from enum import Enum
 from typing import Any
+
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
 
 
 class ErrorShape(str, Enum):
@@ -159,3 +166,18 @@ class ShuttingDown(RetryLater):
 class UpstreamTimeout(GatewayError):
     status_code = 504
     error_type = "timeout"
+
+
+def http_error(method: str, path: str, exc: web.HTTPException) -> GatewayError:
+    """aiohttp's own refusal of a request (404, 405, 413, ...) as one of ours, with its status."""
+    error = GatewayError(f"{method} {path}: {exc.reason}", code=str(exc.status))
+    error.status_code = exc.status
+    error.error_type = "invalid_request_error"
+    return error
+
+
+def unexpected_error(method: str, path: str) -> GatewayError:
+    """A bug, logged with its traceback (call it from the `except` block): the client gets a 500 in our shape,
+    not aiohttp's plain text."""
+    logger.exception("unexpected error on %s %s", method, path)
+    return GatewayError("The gateway failed unexpectedly; see its log.")

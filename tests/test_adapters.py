@@ -12,6 +12,7 @@ from gateway.errors import ModelNotFound
 from gateway.fleet.backends import BackendSpec
 from gateway.fleet.engines import ModelInfo, discover_model
 from gateway.fleet.pool import Pool
+from gateway.observe.metrics import GatewayMetrics
 from gateway.routing.hashing import ROOT_SEED, block_hashes, namespace_seed
 from gateway.routing.router import Router, RoutingConfig
 from tests.policy_fixtures import text
@@ -33,7 +34,7 @@ def fleet(*listings: ModelInfo) -> Pool:
     pool = Pool([BackendSpec(f"http://b{i}") for i in range(len(listings))], 10_000, retry_after_s=5)
     for backend, found in zip(pool.backends, listings, strict=True):
         if backend.discovered_model(found):
-            pool.models_changed()
+            pool.models_learned()
         backend.health_check_passed(success_threshold=1)
     return pool
 
@@ -113,11 +114,12 @@ def test_a_server_of_several_models_has_each_indexed_apart() -> None:
     assert pool.backends[0].index.match(router.routing_request(PROMPT, "qwen").hashes) == 0
 
 
-def test_the_router_hashes_an_adapters_prompt_apart_and_the_base_models_as_ever() -> None:
+def test_the_router_hashes_each_models_prompt_from_the_models_own_seed() -> None:
     pool = fleet(listing("llama", "sql", "chat"))
     router = Router(pool, RoutingConfig())
-    assert router.routing_request(PROMPT, "llama").hashes == block_hashes(PROMPT) == router.routing_request(
-        PROMPT).hashes
+    # Every model is seeded by its name, the base model too; only a request naming no model hashes from the root.
+    assert router.routing_request(PROMPT, "llama").hashes == block_hashes(PROMPT, seed=namespace_seed("llama"))
+    assert router.routing_request(PROMPT).hashes == block_hashes(PROMPT)
     assert router.routing_request(PROMPT, "sql").hashes == block_hashes(PROMPT, seed=namespace_seed("sql"))
     router.place("sql", router.routing_request(PROMPT, "sql")).finish()
     # Cached under sql on the backend: a hit for sql, none for chat or the base model.
@@ -125,3 +127,52 @@ def test_the_router_hashes_an_adapters_prompt_apart_and_the_base_models_as_ever(
     assert index.match(router.routing_request(PROMPT, "sql").hashes) == len(PROMPT) // 64
     assert index.match(router.routing_request(PROMPT, "chat").hashes) == 0
     assert index.match(router.routing_request(PROMPT, "llama").hashes) == 0
+
+
+def test_a_backend_listing_a_base_model_as_another_name_changes_no_models_hashes() -> None:
+    pool = fleet(listing("llama", "sql"))
+    router = Router(pool, RoutingConfig())
+    before = {model: router.routing_request(PROMPT, model).hashes for model in ("llama", "sql")}
+    joined = pool.add(BackendSpec("http://b9"))
+    joined.discovered_model(ModelInfo("qwen", card("qwen"), {"llama": card("llama")}))  # llama as a second name
+    pool.models_learned()
+    assert {model: Router(pool, RoutingConfig()).routing_request(PROMPT, model).hashes
+            for model in ("llama", "sql")} == before
+
+
+def test_an_adapter_named_the_sglang_way_resolves_only_against_the_extra_models() -> None:
+    pool = fleet(listing("llama", "sql"))
+    assert pool.extra_models == {"sql"}
+    assert pool.resolve_model("llama:sql", None) == "sql"
+    with pytest.raises(ModelNotFound):
+        pool.resolve_model("sql:llama", None)  # llama is a base model, not an adapter
+
+
+def test_resolving_an_adapter_lists_no_models_per_request() -> None:
+    pool = fleet(listing("llama", "sql"), listing("llama", "chat"))
+    listed: list[bool] = []
+    models = pool.models
+    pool.models = lambda healthy_only=True: listed.append(healthy_only) or models(healthy_only)  # type: ignore
+    assert [pool.resolve_model(name, None, lora_path=path) for name, path in
+            (("sql", None), ("llama:chat", None), ("llama", "sql"))] == ["sql", "chat", "sql"]
+    assert listed == []
+    pool.remove(pool.backends[1])  # the pool changed: the names are learned again, once
+    assert len(listed) == 1
+    with pytest.raises(ModelNotFound):
+        pool.resolve_model("chat", None)
+
+
+def test_an_adapter_no_backend_serves_any_more_leaves_no_metric_series() -> None:
+    pool = fleet(listing("llama", "sql"), listing("llama", "sql"))
+    metrics = GatewayMetrics(pool)
+    pool.models_gone = metrics.forget_models
+    for model in ("llama", "sql"):
+        metrics.request_done("chat", model, "http://b0", "prefix", "200", 0.1, 0.05, 0.5)
+        for counter in metrics.token_counters(model, "http://b0"):
+            counter.inc(10)
+    for backend in pool.backends:  # sql unloaded, one backend after the other
+        backend.discovered_model(listing("llama"))
+        pool.models_learned()
+        assert ('model="sql"' in metrics.render().decode()) == (backend is pool.backends[0])
+    assert 'model="llama"' in metrics.render().decode()
+    metrics.request_done("chat", "llama", "http://b0", "prefix", "200", 0.1, 0.05, 0.5)  # still bound

@@ -72,3 +72,30 @@ async def test_an_added_backend_is_named_by_its_address_and_checked_at_once() ->
         status, body = await answer(client, "DELETE", "/admin/backends/10.0.0.2:8000", headers=KEY)
         assert status == 202 and body["removed"] is True  # nothing in flight: gone at once
     assert joined == ["http://10.0.0.2:8000"] and [b.name for b in api.pool.backends] == ["first"]
+
+
+async def test_a_bug_in_an_admin_handler_is_a_500_in_openais_shape() -> None:
+    api, _ = admin_api(["admin-key"])
+
+    async def broken(request: object) -> object:
+        raise KeyError("a bug")
+
+    api.listing = broken  # type: ignore[assignment,method-assign]
+    async with TestClient(TestServer(api.app())) as client:
+        status, body = await answer(client, "GET", "/admin/backends", headers=KEY)
+        assert status == 500 and body["error"]["type"] == "internal_error"
+
+
+async def test_re_adding_a_draining_url_with_another_name_is_a_conflict() -> None:
+    api, _ = admin_api(["admin-key"])
+    async with TestClient(TestServer(api.app())) as client:
+        body = {"url": "http://10.0.0.2:8000", "name": "second"}
+        status, added = await answer(client, "POST", "/admin/backends", json=body, headers=KEY)
+        api.pool.find("second").reserve(10, [1])  # type: ignore[union-attr]
+        status, removed = await answer(client, "DELETE", "/admin/backends/second", headers=KEY)
+        assert status == 202 and removed["removed"] is False
+        status, error = await answer(client, "POST", "/admin/backends",
+                                     json={**body, "name": "renamed"}, headers=KEY)
+        assert status == 409 and error["error"]["code"] == "backend_exists"
+        status, back = await answer(client, "POST", "/admin/backends", json=body, headers=KEY)
+        assert status == 201 and back["backend"]["name"] == "second" and not back["backend"]["draining"]

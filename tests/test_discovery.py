@@ -19,6 +19,7 @@ from gateway.fleet.discovery import (
     Membership,
     Watch,
     diff,
+    name_of,
     parse_backend_file,
 )
 from gateway.fleet.health import Upkeep
@@ -290,3 +291,88 @@ def test_health_checks_take_up_an_added_backend_at_once_and_stop_for_a_removed_o
 
     joined, checked = asyncio.run(run())
     assert joined and checked == ["http://b:1"]
+
+
+@pytest.mark.parametrize("url, name", [
+    ("http://user:secret@10.0.0.1:8000", "10.0.0.1:8000"),
+    ("https://10.0.0.1", "10.0.0.1"),
+    ("http://tok@[fd00::1]:8000/", "[fd00::1]:8000"),
+])
+def test_a_backends_name_never_carries_the_credentials_of_its_url(url: str, name: str) -> None:
+    assert name_of(url) == name
+
+
+def test_backend_dns_names_given_twice_are_watched_once() -> None:
+    names = ["svc:8000", "svc:8000", "other:1", "http://svc:8000"]
+    assert build_config({"backend_dns": names}, {}).backend_dns == ("svc:8000", "other:1")
+
+
+def test_one_url_that_fails_to_join_does_not_stop_the_others_and_is_tried_again() -> None:
+    pool, recorder = Pool([], 100, retry_after_s=1), Recorder()
+    membership = recorder.membership(pool)
+    broken = {"http://10.0.0.1:8000"}
+    join = membership.join
+
+    def flaky_join(spec: BackendSpec, source: str) -> Backend:
+        if spec.url in broken:
+            raise RuntimeError("a bug")
+        return join(spec, source)
+
+    membership.join = flaky_join  # type: ignore[method-assign]
+    watch = Watch(DnsSource(DnsName("svc", 8000), 5.0, Resolver(["10.0.0.1", "10.0.0.2"])), membership)
+    asyncio.run(watch.poll())
+    assert [b.url for b in pool.backends] == ["http://10.0.0.2:8000"] and watch.known == {"http://10.0.0.2:8000"}
+    broken.clear()
+    asyncio.run(watch.poll())
+    assert {b.url for b in pool.backends} == {"http://10.0.0.1:8000", "http://10.0.0.2:8000"}
+
+
+def test_a_url_back_while_draining_with_another_spec_is_refused_and_the_same_spec_serves_again() -> None:
+    pool, recorder = Pool([], 100, retry_after_s=1), Recorder()
+    membership = recorder.membership(pool)
+    backend = up(membership.join(BackendSpec("http://10.0.0.1:8000", name="a", model="m"), "admin"))
+    backend.reserve(10, [1])
+    membership.leave(backend)
+    with pytest.raises(ValueError, match="still draining"):
+        membership.join(BackendSpec("http://10.0.0.1:8000", name="b", model="m", api_key="k"), "admin")
+    assert backend.draining and backend.name == "a"
+    assert membership.join(BackendSpec("http://10.0.0.1:8000/", name="a", model="m"), "admin") is backend
+    assert not backend.draining
+
+
+def test_the_reaper_runs_only_while_a_backend_is_leaving() -> None:
+    pool, recorder = Pool([BackendSpec("http://a:1")], 100, retry_after_s=1), Recorder()
+    membership = recorder.membership(pool)
+
+    async def run() -> tuple[bool, bool, bool]:
+        membership.start()
+        idle = membership._reaper is None
+        backend = up(pool.backends[0])
+        backend.reserve(10, [1])
+        membership.leave(backend)
+        reaping = membership._reaper is not None
+        backend.release([1])
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if membership._reaper is None:
+                break
+        await membership.stop()
+        return idle, reaping, membership._reaper is None and backend.removed
+
+    assert asyncio.run(run()) == (True, True, True)
+
+
+def test_a_backend_removed_while_its_metrics_are_scraped_is_not_cleared_anew() -> None:
+    cleared: list[str] = []
+
+    class Client(FakeClient):
+        async def get_bytes(self, url: str, timeout_s: float) -> bytes | None:
+            pool.remove(backend)  # removed while the scrape is on its way
+            return b"process_start_time_seconds 2000.0\n"
+
+    pool = Pool([BackendSpec("http://a:1")], 100, retry_after_s=1)
+    backend = up(pool.backends[0])
+    backend.start_time_read(1000.0)
+    backend.restarted = lambda evidence: cleared.append(evidence)  # type: ignore[method-assign]
+    asyncio.run(Upkeep(pool, Client(), GatewayConfig()).scrape(backend))  # type: ignore[arg-type]
+    assert backend.removed and cleared == []

@@ -2,7 +2,8 @@
 
     GET    /admin/backends               every backend as GET /backends describes it (with source, draining)
     POST   /admin/backends               {"url", "name"?, "model"?, "api_key"?}: added, 201; it serves after its
-                                         first good health check
+                                         first good health check. 409 when the URL or name is taken, or the URL
+                                         still drains with another name, model or key (the same: taken back)
     POST   /admin/backends/{name}/drain  chosen for nothing new; its requests in flight finish; it stays listed
     DELETE /admin/backends/{name}        drained, then removed once nothing of it is in flight: 202
 
@@ -14,6 +15,7 @@ with `--workers N` (each worker has a pool of its own; a backend file or DNS nam
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -22,7 +24,15 @@ from typing import Any
 from aiohttp import web
 
 from gateway.api.auth import ApiKeys
-from gateway.errors import BackendNotFound, BadRequest, ConfigError, Conflict, GatewayError
+from gateway.errors import (
+    BackendNotFound,
+    BadRequest,
+    ConfigError,
+    Conflict,
+    GatewayError,
+    http_error,
+    unexpected_error,
+)
 from gateway.fleet.backends import Backend, BackendSpec
 from gateway.fleet.discovery import Membership, name_of
 
@@ -74,15 +84,14 @@ class AdminApi:
 
     async def drain(self, request: web.Request) -> web.Response:
         backend = self.backend_of(request)
-        self.membership.drain(backend)
+        self.pool.drain(backend)
         return web.json_response({"backend": backend.describe()})
 
     async def remove(self, request: web.Request) -> web.Response:
         backend = self.backend_of(request)
         described = backend.describe()
         self.membership.leave(backend)
-        removed = backend not in self.pool.backends
-        return web.json_response({"backend": {**described, "draining": True}, "removed": removed}, status=202)
+        return web.json_response({"backend": {**described, "draining": True}, "removed": backend.removed}, status=202)
 
     # -- reading requests -------------------------------------------------------------------------------------
 
@@ -123,10 +132,16 @@ class AdminApi:
             self.keys.check_admin(request.headers)
             return await handler(request)
         except GatewayError as exc:
-            return web.json_response(exc.body(), status=exc.status_code, headers=exc.headers())
+            return self._error(exc)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            error = GatewayError(f"{request.method} {request.path}: {exc.reason}", code=str(exc.status))
-            error.error_type = "invalid_request_error"
-            return web.json_response(error.body(), status=exc.status)
+            return self._error(http_error(request.method, request.path, exc))
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception:
+            return self._error(unexpected_error(request.method, request.path))
+
+    @staticmethod
+    def _error(error: GatewayError) -> web.Response:
+        return web.json_response(error.body(), status=error.status_code, headers=error.headers())

@@ -120,6 +120,7 @@ class Backend:
     embedding: bool | None = None  # serves an embedding model; None: its engine does not say
     healthy: bool = False
     draining: bool = False  # chosen for nothing new; leaves the pool when its requests in flight are done
+    removed: bool = False  # left the pool (`Pool.remove`): no health check or scrape may bring it back
     source: str = "config"  # who added it: "config", "admin", "dns:HOST:PORT" or "file:PATH" (discovery.py)
     started_at_s: float | None = None  # the engine process's start time, as its /metrics reports it
     refused_checks: bool = False  # a health check found nothing listening since the last good one

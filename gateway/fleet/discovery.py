@@ -1,4 +1,5 @@
-"""Backends at run time: found through DNS or a watched file, added and removed through the admin API.
+"""Backends at run time: found through DNS or a watched file, or added and removed through the admin API
+(gateway/api/admin.py), all joining and leaving through `Membership`.
 
 A *source* says which backend URLs should be there now: a DNS name's A/AAAA records (`DnsSource`, a Kubernetes
 headless Service lists one per ready pod) or the lines of a file (`FileSource`). A `Watch` asks its source every
@@ -8,13 +9,15 @@ once nothing of it is in flight (`Membership`). A source that cannot answer (DNS
 file) changes nothing: a name server's hiccup must not drain the fleet.
 
 Every source manages only the backends it added: a URL also given by `--backend` (or by another source) stays
-its owner's. A URL that comes back while it drains is taken back into rotation. Removal frees what the gateway
-kept for the backend: its prefix index and its metric series.
+its owner's. A URL that comes back while it drains is taken back into rotation. Removal frees the backend's
+prefix index and its metric series; a session key or stored response that went to it still names it until it
+expires, and finds it removed (unhealthy, draining): such a request is routed anew or refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -84,8 +87,16 @@ def parse_backend_file(text: str) -> list[str]:
 
 
 def name_of(url: str) -> str:
-    """The name clients are told for a discovered backend: its address and port."""
-    return urlsplit(url).netloc
+    """The name clients are told for a discovered or added backend: its host and port, never the credentials a
+    URL may carry (`user:pass@`): the name is shown in x-gateway-backend, /backends and the logs."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    try:
+        port = parts.port
+    except ValueError:  # not a port number: the name is the host alone
+        port = None
+    return host if port is None else f"{host}:{port}"
 
 
 async def resolve(host: str, port: int) -> list[str]:
@@ -157,7 +168,8 @@ class FileSource:
 class Membership:
     """Joins and leaves, applied to the pool and to what keeps something per backend: a joined backend gets its
     first health check at once (`on_join`); a leaving one drains, then leaves the pool (`on_leave` forgets its
-    metrics) once nothing of it is in flight."""
+    metrics) once nothing of it is in flight. The reaper that waits for that runs only while a backend is
+    leaving: an idle gateway does not wake for it."""
 
     def __init__(self, pool: Pool, on_join: Callable[[Backend], None], on_leave: Callable[[Backend], None]) -> None:
         self.pool = pool
@@ -165,14 +177,19 @@ class Membership:
         self._on_leave = on_leave
         self._leaving: set[Backend] = set()
         self._reaper: asyncio.Task[None] | None = None
+        self._started = False
 
     def join(self, spec: BackendSpec, source: str) -> Backend:
-        """Add a backend; raises ValueError when its URL or name is taken (except by a backend of the same source
-        that is leaving: that one stays)."""
+        """Add a backend; raises ValueError when its URL or name is taken. A backend of the same source that is
+        leaving is taken back into rotation when `spec` is the one it was added with; when `spec` differs (another
+        name, model or key), ValueError: the old one must finish leaving first."""
         present = self.pool.find(spec.url)
         if present is not None and present in self._leaving and present.source == source:
+            if dataclasses.replace(spec, url=present.url) != present.spec:
+                raise ValueError(f"backend {present.name} ({present.url}) is still draining with another "
+                                 "name, model or key; add it again once it has left")
             self._leaving.discard(present)
-            present.draining = False
+            self.pool.undrain(present)
             logger.info("backend %s is back (%s): it serves again", present.url, source)
             return present
         backend = self.pool.add(spec, source)
@@ -180,14 +197,13 @@ class Membership:
         self._on_join(backend)
         return backend
 
-    def drain(self, backend: Backend) -> None:
-        self.pool.drain(backend)
-
     def leave(self, backend: Backend) -> None:
         """Drain `backend`, and remove it once its requests in flight have finished."""
         self.pool.drain(backend)
         self._leaving.add(backend)
         self.reap()
+        if self._leaving and self._started and self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_until_gone(REAP_INTERVAL_S))
 
     def reap(self) -> None:
         for backend in [b for b in self._leaving if b.in_flight == 0]:
@@ -196,17 +212,25 @@ class Membership:
             self._on_leave(backend)
 
     def start(self) -> None:
-        self._reaper = asyncio.create_task(self._reap_every(REAP_INTERVAL_S))
+        """From now on a leaving backend is reaped in the background (before, by `leave` or `reap` alone)."""
+        self._started = True
+        if self._leaving and self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_until_gone(REAP_INTERVAL_S))
 
     async def stop(self) -> None:
+        self._started = False
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
+            self._reaper = None
 
-    async def _reap_every(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            self.reap()
+    async def _reap_until_gone(self, interval_s: float) -> None:
+        try:
+            while self._leaving:
+                await asyncio.sleep(interval_s)
+                self.reap()
+        finally:
+            self._reaper = None
 
 
 class Watch:
@@ -215,31 +239,50 @@ class Watch:
     def __init__(self, source: Source, membership: Membership) -> None:
         self.source = source
         self.membership = membership
-        self.known: set[str] = set()
+        self.known: set[str] = set()  # the URLs applied: joined (or owned elsewhere), not yet left
+        self._failed: set[str] = set()  # URLs whose change failed, logged once until one succeeds
 
     async def poll(self) -> None:
+        """Apply what changed since the last answer. A URL that fails to join (a bug, say) is logged once and
+        left out of `known`, so that the next answer tries it again; the rest of the answer is applied."""
         found = await self.source.read()
         if found is None:
             return
         joined, left = diff(self.known, found)
-        self.known = found
         for url in joined:
-            self._join(url)
+            if self._applied(url, self._join):
+                self.known.add(url)
         for url in left:
-            backend = self.membership.pool.find(url)
-            if backend is not None and backend.source == self.source.name:
-                logger.info("backend %s is gone from %s", url, self.source.name)
-                self.membership.leave(backend)
+            if self._applied(url, self._leave):
+                self.known.discard(url)
+
+    def _applied(self, url: str, change: Callable[[str], None]) -> bool:
+        try:
+            change(url)
+        except Exception:  # one URL must not stop the others
+            if url not in self._failed:
+                logger.exception("backend %s from %s not applied; tried again on each answer", url,
+                                 self.source.name)
+            self._failed.add(url)
+            return False
+        self._failed.discard(url)
+        return True
 
     def _join(self, url: str) -> None:
         present = self.membership.pool.find(url)
         if present is not None and present.source != self.source.name:
             return  # configured or found elsewhere: that one owns it
-        spec = BackendSpec(url, name=name_of(url))
+        name = name_of(url)
         try:
-            self.membership.join(spec, self.source.name)
-        except ValueError:  # the name is another backend's: name it by its URL
-            self.membership.join(BackendSpec(url, name=url), self.source.name)
+            self.membership.join(BackendSpec(url, name=name), self.source.name)
+        except ValueError:  # the name is another backend's: name it by its scheme too
+            self.membership.join(BackendSpec(url, name=f"{urlsplit(url).scheme}://{name}"), self.source.name)
+
+    def _leave(self, url: str) -> None:
+        backend = self.membership.pool.find(url)
+        if backend is not None and backend.source == self.source.name:
+            logger.info("backend %s is gone from %s", url, self.source.name)
+            self.membership.leave(backend)
 
     async def run(self) -> None:
         while True:

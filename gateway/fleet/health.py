@@ -78,7 +78,7 @@ class Upkeep:
         except UpstreamFailure as exc:  # the gateway's own resources ran out: no verdict on the backend
             logger.warning("health check of %s skipped: %s", backend.url, exc.detail)
             return
-        if backend not in self.pool.backends:  # removed while its check ran: no verdict brings it back
+        if backend.removed:  # removed while its check ran: no verdict brings it back
             return
         health = self.config.health
         if status is None or not 200 <= status < 300:
@@ -87,7 +87,7 @@ class Upkeep:
             backend.health_check_failed(reason, health.failure_threshold, refused=refused)
             return
         await self._discover(backend)
-        if backend not in self.pool.backends:
+        if backend.removed:
             return
         if backend.model is None:
             backend.health_check_failed("its model could not be discovered", health.failure_threshold)
@@ -97,7 +97,7 @@ class Upkeep:
     async def _discover(self, backend: Backend) -> None:
         timeout_s = self.config.health.timeout_s
         if backend.discovered_model(await discover_model(self.client, backend.url, timeout_s)):
-            self.pool.models_changed()
+            self.pool.models_learned()
         if backend.engine is None:
             backend.discovered_engine(await discover_engine(self.client, backend.url, timeout_s),
                                       self.config.index_capacity_blocks)
@@ -107,7 +107,7 @@ class Upkeep:
 
     async def scrape(self, backend: Backend) -> None:
         families = await scrape_metrics(self.client, backend.url, self.config.health.timeout_s)
-        if not families:
+        if not families or backend.removed:  # removed while scraped: its restart is no one's business
             return
         load = read_load(families)
         if load is not None:

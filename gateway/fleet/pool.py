@@ -11,21 +11,21 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from gateway.errors import BadRequest, ModelNotFound, NoHealthyBackend
 from gateway.fleet.backends import NOT_SHARED, Backend, BackendSpec, Publisher
 from gateway.fleet.outlier import Outlier, OutlierConfig
-from gateway.routing.hashing import namespace_seed
 from gateway.routing.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
 
-def sglang_adapter(requested: str | None, lora_path: Any, adapters: Mapping[str, int]) -> str | None:
-    """The LoRA adapter a request names SGLang's ways, if it is one of `adapters`: `model` as "base:adapter"
-    first (SGLang's priority), then a `lora_path` field naming it; None otherwise."""
+def sglang_adapter(requested: str | None, lora_path: Any, adapters: Collection[str]) -> str | None:
+    """The LoRA adapter a request names SGLang's ways, if it is one of `adapters` (the models backends serve
+    beside their first): `model` as "base:adapter" first (SGLang's priority), then a `lora_path` field naming it;
+    None otherwise."""
     if requested is not None and ":" in requested:
         adapter = requested.rsplit(":", 1)[1]
         if adapter in adapters:
@@ -38,7 +38,11 @@ class Pool:
 
     Backends join (`add`: unhealthy until their first good health check), drain (`drain`: chosen for nothing
     new) and leave (`remove`, once nothing of theirs is in flight: discovery.py's `Membership` waits for that).
-    `version` moves on each join and leave, for those who keep something per backend (shared_state.py)."""
+    `version` moves on each join and leave, for those who keep something per backend (shared_state.py).
+
+    The names requests are resolved against are kept, not listed per request: `models_learned` rebuilds them
+    after each join, drain and leave, and the health checker calls it when a backend's listing changed; it tells
+    `models_gone` of the models no backend serves any more (metrics.py forgets their series)."""
 
     def __init__(self, specs: Sequence[BackendSpec], index_capacity_blocks: int, retry_after_s: int,
                  outlier: OutlierConfig = OutlierConfig()) -> None:
@@ -49,16 +53,24 @@ class Pool:
         self.publisher: Publisher = NOT_SHARED  # given to every backend, those added later too
         self.version = 0
         self.backends: list[Backend] = []
-        # The block-hash seed (hashing.py) of each model a backend serves beside its first: a LoRA adapter, or
-        # another model of a multi-model server. The engine caches each apart, so the index keeps them apart; a
-        # backend's first model hashes from the root seed, as in a fleet of one model per backend.
-        self.model_seeds: dict[str, int] = {}
+        self.models_gone: Callable[[set[str]], None] = lambda models: None
+        self._known: list[str] = []  # models(healthy_only=False), sorted
+        self._names: set[str] = set()  # what any backend in the pool serves, draining ones included
+        # The models backends serve beside their first (LoRA adapters, another model of a multi-model server):
+        # the names SGLang's "base:adapter" and `lora_path` may give.
+        self.extra_models: frozenset[str] = frozenset()
         for spec in specs:
             self.add(spec)
 
-    def models_changed(self) -> None:
-        """A backend's discovery changed what it serves: learn the seeds anew."""
-        self.model_seeds = {name: namespace_seed(name) for b in self.backends for name in b.other_models}
+    def models_learned(self) -> None:
+        """What the backends serve changed (a join, drain or leave, a new listing): rebuild the names requests are
+        resolved against, and tell `models_gone` of those no backend serves any more."""
+        self._known = self.models(healthy_only=False)
+        self.extra_models = frozenset(name for b in self.backends for name in b.other_models)
+        served = {name for b in self.backends if b.model for name in (b.model, *b.other_models)}
+        gone, self._names = self._names - served, served
+        if gone:
+            self.models_gone(gone)
 
     def add(self, spec: BackendSpec, source: str = "config") -> Backend:
         """A new backend, out of rotation until its health checks pass; ValueError when its URL or name is taken."""
@@ -72,6 +84,7 @@ class Pool:
                           publisher=self.publisher)
         self.backends.append(backend)
         self.version += 1
+        self.models_learned()
         return backend
 
     def drain(self, backend: Backend) -> None:
@@ -79,6 +92,12 @@ class Pool:
         if not backend.draining:
             logger.info("backend %s draining: %d requests in flight", backend.url, backend.in_flight)
         backend.draining = True
+        self.models_learned()
+
+    def undrain(self, backend: Backend) -> None:
+        """`backend` serves again: a URL that came back before it had left (discovery.py)."""
+        backend.draining = False
+        self.models_learned()
 
     def remove(self, backend: Backend) -> None:
         """`backend` leaves the pool and its index is freed. Anything still holding it (a request in flight, a
@@ -87,9 +106,10 @@ class Pool:
             self.backends.remove(backend)
             self.version += 1
             logger.info("backend %s removed", backend.url)
-        backend.draining = True
+        backend.removed = backend.draining = True
         backend.healthy = False
         backend.index.clear()
+        self.models_learned()
 
     def find(self, key: str) -> Backend | None:
         """The backend of that name or URL."""
@@ -110,23 +130,22 @@ class Pool:
         backend serves is unknown only once every backend has said what it serves: until then it may be the
         one still loading, and the client is told to come back (503), not that it does not exist (404).
         An adapter named SGLang's ways (`lora_path`, or `model` as "base:adapter") is the model it is for."""
-        if lora_path is None and requested is not None:
-            for backend in self.backends:  # the common case, without listing every model
-                if backend.model == requested:
-                    return requested
-        known = self.models(healthy_only=False)
-        if lora_path is not None or (requested is not None and requested not in known):
-            requested = sglang_adapter(requested, lora_path, self.model_seeds) or requested
+        served = self._names  # draining backends' models too: 503 while they finish, not 404
+        if lora_path is None and requested is not None and requested in served:  # the common case
+            return requested
+        if lora_path is not None or requested is not None:
+            requested = sglang_adapter(requested, lora_path, self.extra_models) or requested
         if requested is not None:
-            if requested in known:
+            if requested in served:
                 return requested
             silent = sum(1 for b in self.backends if b.model is None and not b.draining)
             if silent:
                 raise NoHealthyBackend(f"No backend that has answered serves the model '{requested}'; {silent} of "
                                        f"{len(self.backends)} backends have not answered yet.", self._retry_after_s)
-            raise ModelNotFound(requested, known)
+            raise ModelNotFound(requested, self._known)
         if default_model is not None:
             return default_model
+        known = self._known
         if len(known) == 1:
             return known[0]
         if not known:
@@ -148,7 +167,8 @@ class Pool:
         backend, it never refuses what the backends might still serve."""
         excluded = set(exclude)
         healthy = [b for b in self.backends
-                   if b.healthy and not b.draining and b.serves(model) and b not in excluded]
+                   if b.healthy and not b.draining and (b.model == model or model in b.other_models)
+                   and b not in excluded]
         return [b for b in healthy if b.outlier.admits()] or healthy
 
     def candidates(self, model: str, exclude: Iterable[Backend] = ()) -> list[Backend]:

@@ -167,19 +167,35 @@ class GatewayMetrics:
     def forget_backend(self, url: str) -> None:
         """Drop every series labelled with a removed backend's URL: a fleet whose replicas come and go (discovery)
         would otherwise export a growing set of dead series."""
-        for counter in (self.requests, self.prompt_tokens, self.cached_tokens, self.predicted_cached_tokens,
-                        self.index_corrections, self.upstream_errors):
-            position = counter._labelnames.index("backend")
-            for values in _label_sets(counter):
-                if values[position] == url:
-                    counter.remove(*values)
+        _forget((self.requests, self.prompt_tokens, self.cached_tokens, self.predicted_cached_tokens,
+                 self.index_corrections, self.upstream_errors), "backend", url)
         for histogram in (self.upstream_latency, self.upstream_ttfb):
             histogram.forget("backend", url)
         self._children = {key: children for key, children in self._children.items() if key[2] != url}
         self._token_children = {key: counters for key, counters in self._token_children.items() if key[1] != url}
 
+    def forget_models(self, models: set[str]) -> None:
+        """Drop every series labelled with a model no backend serves any more (`Pool.models_gone`): LoRA adapters
+        are loaded and unloaded at run time, and each would otherwise leave its series behind for good."""
+        for model in models:
+            _forget((self.requests, self.prompt_tokens, self.cached_tokens, self.predicted_cached_tokens),
+                    "model", model)
+            self.prefix_match.forget("model", model)
+        self._children = {key: children for key, children in self._children.items() if key[1] not in models}
+        self._token_children = {key: counters for key, counters in self._token_children.items()
+                                if key[0] not in models}
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _forget(counters: Sequence[Counter], label: str, value: str) -> None:
+    """Remove the children of `counters` whose `label` is `value`."""
+    for counter in counters:
+        position = counter._labelnames.index(label)
+        for values in _label_sets(counter):
+            if values[position] == value:
+                counter.remove(*values)
 
 
 def _label_sets(counter: Counter) -> set[tuple[str, ...]]:

@@ -9,11 +9,13 @@ cache and the granularity llm-d hashes at. Smaller blocks predict partial matche
 hashes and index nodes per prompt (a 32k-character prompt is 500 blocks at 64); only full blocks are hashed,
 as engines only reuse full blocks.
 
-A prompt under a LoRA adapter is cached apart by the engines (vLLM adds the adapter to every block's hash, SGLang
-keys its radix tree by it), so its chain starts from the adapter's own seed (`namespace_seed`): the same text
-under two adapters shares no hash, and a base-model prompt hashes from the root seed as ever. Every model a
-backend serves beside its first is seeded so (`Pool.model_seeds`): another model of a multi-model server has a
-cache of its own too, and another name of the same model merely predicts a miss where the engine would hit.
+Engines cache a prompt per model: vLLM adds a LoRA adapter to every block's hash, SGLang keys its radix tree by
+it, and each model of a multi-model server has a cache of its own. So a request's chain starts from its model's
+own seed (`namespace_seed` of the model's name; the router computes it once per name): the same text under two
+models or adapters shares no hash. Every model is seeded by its name alone, whatever else the fleet serves, so a
+model's hashes never change when a backend joins or lists another name, and every gateway instance sharing state
+hashes alike. Another name of the same model merely predicts a miss where the engine would hit. The root seed
+starts the chain of a request that names no model.
 """
 
 from __future__ import annotations

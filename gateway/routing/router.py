@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway.fleet.backends import Backend
 from gateway.fleet.pool import Pool
-from gateway.routing.hashing import ROOT_SEED, block_hashes
+from gateway.routing.hashing import ROOT_SEED, block_hashes, namespace_seed
 from gateway.routing.policies import Decision, PolicyConfig, Route, RoutingRequest
 from gateway.routing.policies.basic import least_loaded
 from gateway.routing.policies.registry import DEFAULT_POLICY, default_config, make_policy
@@ -23,6 +23,7 @@ from gateway.routing.sessions import Sessions, Visit, key_hash
 
 # A backend reporting less than this share of the predicted cached tokens has evicted that prefix.
 EVICTION_EVIDENCE_RATIO = 0.5
+MAX_SEEDS = 4096  # model names whose block-hash seed the router keeps
 
 
 @dataclass(frozen=True)
@@ -110,10 +111,22 @@ class Router:
         # Kept only for a policy that reads them: under the baselines a key changes nothing.
         self.sessions = Sessions(config.session_max_keys, config.session_ttl_s) \
             if config.policy_config.follows_sessions else None
+        self._seeds: dict[str, int] = {}  # model name -> its block-hash seed, hashed once per name
+
+    def seed_of(self, model: str) -> int:
+        """The block-hash seed of `model` (hashing.py `namespace_seed`), computed once per name. Names come only
+        from resolved models, so the dict is as big as the set of models ever served; it is emptied past
+        `MAX_SEEDS` all the same, against adapters loaded and unloaded without end."""
+        seed = self._seeds.get(model)
+        if seed is None:
+            if len(self._seeds) >= MAX_SEEDS:
+                self._seeds.clear()
+            seed = self._seeds[model] = namespace_seed(model)
+        return seed
 
     def routing_request(self, text: str, model: str | None = None, session: str | None = None) -> RoutingRequest:
         """The request as policies see it; `session` is the client's session key, if it sent one."""
-        seed = self.pool.model_seeds.get(model, ROOT_SEED) if model else ROOT_SEED  # e.g. a LoRA adapter's own
+        seed = (self._seeds.get(model) or self.seed_of(model)) if model else ROOT_SEED
         return RoutingRequest(block_hashes(text, self.config.block_chars, seed), len(text),
                               self.config.block_chars, self.config.chars_per_token,
                               None if session is None or self.sessions is None else key_hash(session))
