@@ -89,7 +89,8 @@ def add_arrival_arguments(run: argparse.ArgumentParser) -> None:
     load.add_argument("--request-rate", type=float, default=None, metavar="RPS",
                       help="Poisson arrival rate in simulated requests/s (overrides --load)")
     load.add_argument("--max-concurrency", type=int, default=None, metavar="N",
-                      help="cap on requests in flight; given alone (no rate, no --load) it makes a closed loop")
+                      help="cap on requests in flight; given alone (no rate, no --load) it makes a closed loop "
+                           "(default: the scenario's [load] max_concurrency, if any: a closed-loop preset)")
     load.add_argument("--no-stream", action="store_true", help="non-streaming requests (then TTFT = E2E)")
 
 
@@ -148,16 +149,20 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         workload={"num_prompts": args.num_prompts, "seed": args.seed, "scale": args.scale,
                   "random_range_ratio": args.random_range_ratio},
         fleet={"replicas": args.replicas, "kv_capacity_tokens": args.kv_capacity_tokens,
+               # one capacity given on the command line is every replica's
+               "replica_kv_capacity_tokens": () if args.kv_capacity_tokens else None,
                "time_scale": args.time_scale, "max_running_requests": args.max_running_requests},
         slo={"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
     )
 
 
 def traffic_from_args(args: argparse.Namespace, scenario: Scenario) -> Traffic:
-    rate = args.request_rate
-    if rate is None and (args.load is not None or args.max_concurrency is None):
+    rate, concurrency = args.request_rate, args.max_concurrency
+    if rate is None and args.load is None and concurrency is None:
+        concurrency = scenario.load.max_concurrency  # a closed-loop preset
+    if rate is None and (args.load is not None or concurrency is None):
         rate = scenario.load.rate(LoadLevel(args.load or LoadLevel.KNEE.value))
-    return Traffic(request_rate=rate, max_concurrency=args.max_concurrency, stream=not args.no_stream)
+    return Traffic(request_rate=rate, max_concurrency=concurrency, stream=not args.no_stream)
 
 
 def command_run(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -185,13 +190,18 @@ def command_list() -> int:
         w, f = scenario.workload, scenario.fleet
         requests = request_count(generate(w))
         rows.append([name, str(requests), str(working_set_tokens(w)),
-                     f"{f.replicas} x {f.kv_capacity_tokens}", str(f.time_scale),
-                     f"{scenario.load.light:g} / {scenario.load.knee:g} / {scenario.load.overload:g}",
+                     f.describe_capacity(), str(f.time_scale), _arrivals(scenario),
                      scenario.description])
     header = ["scenario", "requests", "working set tok", "fleet KV tok", "time-scale",
               "rate light/knee/overload", "description"]
     print(text_table(header, rows))
     return 0
+
+
+def _arrivals(scenario: Scenario) -> str:
+    load = scenario.load
+    rates = f"{load.light:g} / {load.knee:g} / {load.overload:g}"
+    return f"closed loop {load.max_concurrency} (or {rates})" if load.max_concurrency else rates
 
 
 def overhead_config(args: argparse.Namespace) -> OverheadConfig:

@@ -58,7 +58,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def scenario_line(scenario: Scenario) -> str:
     w, f = scenario.workload, scenario.fleet
     return (f"{scenario.name}: {scenario.description} | scale {w.scale}, seed {w.seed}, "
-            f"{f.replicas} replicas x {f.kv_capacity_tokens} KV tokens, time-scale {f.time_scale} | "
+            f"replicas of {f.describe_capacity()} KV tokens, time-scale {f.time_scale} | "
             f"SLO TTFT <= {scenario.slo.ttft_s} s, TPOT <= {1000 * scenario.slo.tpot_s:.0f} ms")
 
 

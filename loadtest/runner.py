@@ -19,7 +19,7 @@ import httpx2
 from loadtest.client import DriveOptions, DriveResult, drive
 from loadtest.oracle import chat_request, oracle_hit_rate
 from loadtest.progress import Progress
-from loadtest.scenarios import Kind, Scenario
+from loadtest.scenarios import FleetSpec, Kind, Scenario
 from loadtest.sharing import sharing_figures
 from loadtest.stats import RunSummary, summarise
 from loadtest.workload import Conversation, RequestKind, generate, request_count
@@ -70,10 +70,16 @@ def sglang_router_installed() -> bool:
 def replica_args(scenario: Scenario, *, embedding: bool = False) -> list[str]:
     fleet, workload = scenario.fleet, scenario.workload
     args = ["--model", workload.embedding_model if embedding else workload.model,
-            "--kv-capacity-tokens", str(fleet.kv_capacity_tokens), "--time-scale", str(fleet.time_scale)]
+            "--kv-capacity-tokens", _capacity_arg(fleet, embedding), "--time-scale", str(fleet.time_scale)]
     if fleet.max_running_requests is not None:
         args += ["--max-running-requests", str(fleet.max_running_requests)]
     return [*args, "--embedding"] if embedding else args
+
+
+def _capacity_arg(fleet: FleetSpec, embedding: bool) -> str:
+    if embedding or not fleet.replica_kv_capacity_tokens:
+        return str(fleet.kv_capacity_tokens)
+    return ",".join(map(str, fleet.replica_kv_capacity_tokens))  # one per replica of the process
 
 
 def drive_options(scenario: Scenario, traffic: Traffic, time_scale: float) -> DriveOptions:
@@ -162,7 +168,7 @@ async def replica_request_counts(urls: Sequence[str]) -> dict[str, int]:
 
 
 def scenario_oracle(scenario: Scenario, result: DriveResult) -> float:
-    capacity = scenario.fleet.kv_capacity_tokens * scenario.fleet.replicas
+    capacity = scenario.fleet.total_kv_capacity_tokens
     chats = [chat_request(sent.messages, sent.answer) for sent in result.sent if sent.kind is RequestKind.CHAT]
     return oracle_hit_rate(chats, capacity).hit_rate
 
