@@ -58,9 +58,9 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("scenario", help=f"a preset ({', '.join(list_scenarios())}) or a path to a TOML file")
     run.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
                      help=f"comma-separated gateway policies, one run each (default: {DEFAULT_POLICIES})")
-    run.add_argument("--peer", choices=PEERS, default=None,
-                     help="also run this peer router in front of the same kind of fleet (skipped with a "
-                          "message when not installed; default: none)")
+    run.add_argument("--peer", choices=PEERS, action="append", default=[],
+                     help="also run this peer router (its cache_aware policy) in front of the same kind of fleet; "
+                          "repeatable; skipped with a message when not installed (default: none)")
     run.add_argument("--out", type=Path, default=None, metavar="DIR",
                      help="write results.json, report.md and PNG plots here (default: print the table only)")
     run.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -173,7 +173,7 @@ def command_run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                                oracle_capacity_tokens=args.oracle_capacity_tokens)]
     else:
         policies = [policy.strip() for policy in args.policies.split(",") if policy.strip()]
-        outcomes = run_policies(scenario, policies, traffic, peer=args.peer, gateway_args=args.gateway_arg,
+        outcomes = run_policies(scenario, policies, traffic, peers=args.peer, gateway_args=args.gateway_arg,
                                 instances=Instances(args.instances, args.state))
     print(print_report(scenario, outcomes))
     if args.out is not None:

@@ -1,13 +1,15 @@
 """Side-by-side runs: the same seeded request sequence through each policy, each on a fresh fleet.
 
 A fresh fleet per run means every policy starts with cold caches and idle replicas, so no run inherits the
-previous run's cache. The peer (sglang-router) gets the same kind of fleet. `run_target` drives any running
-OpenAI-compatible endpoint instead (a real deployment), where cached tokens come from its responses.
+previous run's cache. The peer routers (sglang-router, smg; both with their cache_aware policy) get the same kind
+of fleet. `run_target` drives any running OpenAI-compatible endpoint instead (a real deployment), where cached
+tokens come from its responses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import re
 import sys
@@ -28,7 +30,8 @@ from simulator.fleet import Fleet, running_fleet
 logger = logging.getLogger(__name__)
 
 SGLANG_ROUTER = "sglang-router"
-PEERS = (SGLANG_ROUTER,)
+SMG = "smg"
+PEERS = (SGLANG_ROUTER, SMG)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,21 @@ def sglang_router_installed() -> bool:
     return True
 
 
+def smg_installed() -> bool:
+    """The Shepherd Model Gateway package (`pip install smg`). sglang-router 0.3.2 also installs an `smg`
+    command, which is sglang-router itself, so the check is for the `smg` module, run as `-m smg.cli`."""
+    return importlib.util.find_spec("smg") is not None
+
+
+def peer_missing(peer: str) -> str | None:
+    """Why peer router `peer` cannot run here, or None when it can."""
+    if peer == SGLANG_ROUTER and not sglang_router_installed():
+        return "sglang-router is not installed (pip install 'prefix-gateway[bench]')"
+    if peer == SMG and not smg_installed():
+        return "smg is not installed (pip install smg)"
+    return None
+
+
 def replica_args(scenario: Scenario, *, embedding: bool = False) -> list[str]:
     fleet, workload = scenario.fleet, scenario.workload
     args = ["--model", workload.embedding_model if embedding else workload.model,
@@ -88,26 +106,26 @@ def drive_options(scenario: Scenario, traffic: Traffic, time_scale: float) -> Dr
                         seed=scenario.workload.seed)
 
 
-def run_policies(scenario: Scenario, policies: Sequence[str], traffic: Traffic, *, peer: str | None = None,
+def run_policies(scenario: Scenario, policies: Sequence[str], traffic: Traffic, *, peers: Sequence[str] = (),
                  gateway_args: Sequence[str] = (), instances: Instances = Instances()) -> list[RunOutcome]:
-    """One run per policy (and one for the peer), in that order; the oracle is computed once, from run one."""
+    """One run per policy (and one per peer router), in that order; the oracle is computed once, from run one."""
     conversations = generate(scenario.workload)
     labels: list[str] = list(policies)
-    if peer is not None:
-        if peer != SGLANG_ROUTER:
+    for peer in peers:
+        if peer not in PEERS:
             raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
-        if sglang_router_installed():
-            labels.append(SGLANG_ROUTER)
+        reason = peer_missing(peer)
+        if reason is None:
+            labels.append(peer)
         else:
-            logger.warning("--peer %s skipped: sglang-router is not installed (pip install 'prefix-gateway[bench]')",
-                           peer)
+            logger.warning("--peer %s skipped: %s", peer, reason)
     outcomes: list[RunOutcome] = []
     oracle: float | None = None
     for label in labels:
         result, counts = _fleet_run(scenario, label, conversations, traffic, gateway_args, instances)
         if oracle is None:
             oracle = scenario_oracle(scenario, result)
-        shown = label if label == SGLANG_ROUTER else instances.label(label)
+        shown = label if label in PEERS else instances.label(label)
         outcomes.append(RunOutcome(summarise(shown, result, time_scale=scenario.fleet.time_scale,
                                              slo=scenario.slo, oracle_hit_rate=oracle, replica_counts=counts),
                                    result))
@@ -123,7 +141,7 @@ def _fleet_run(scenario: Scenario, label: str, conversations: tuple[Conversation
             embed = fleet.start_replicas(scenario.fleet.embedding_replicas,
                                          args=replica_args(scenario, embedding=True), name="embedding-replicas")
             backends += embed.urls
-        state = fleet.start_redis().url if instances.shared and label != SGLANG_ROUTER else None
+        state = fleet.start_redis().url if instances.shared and label not in PEERS else None
         front = _start_front(fleet, label, backends, gateway_args, instances.count, state)
         before = asyncio.run(replica_request_counts(llm.urls))
         progress = Progress(request_count(conversations), f"{scenario.name}/{label}")
@@ -133,8 +151,8 @@ def _fleet_run(scenario: Scenario, label: str, conversations: tuple[Conversation
         if state is not None:
             print(sharing_figures(front, state, len(result.results)).describe(), file=sys.stderr)
         counts = None
-        if label == SGLANG_ROUTER:
-            # sglang-router does not relay x-replica-id; count per replica from the replicas' own counters.
+        if label in PEERS:
+            # The peers do not relay x-replica-id; count per replica from the replicas' own counters.
             after = asyncio.run(replica_request_counts(llm.urls))
             counts = {url: after.get(url, 0) - before.get(url, 0) for url in llm.urls} if after else None
     return result, counts
@@ -144,6 +162,8 @@ def _start_front(fleet: Fleet, label: str, backends: list[str], gateway_args: Se
                  state: str | None) -> list[str]:
     if label == SGLANG_ROUTER:
         return [fleet.start_sglang_router(backends, policy="cache_aware").url]
+    if label == SMG:
+        return [fleet.start_smg(backends, policy="cache_aware").url]
     gateways = fleet.start_gateways(count, backends, args=["--policy", label, *gateway_args], state=state)
     return [gateway.url for gateway in gateways]
 
