@@ -454,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ports", type=_ports, default=None, help="comma-separated ports: one independent replica per port, "
         "all in this process (overrides --port)")
     add("--model", default="sim-llama-8b", help="model name served and reported")
-    add("--kv-capacity-tokens", type=_capacities, default=[defaults.kv_capacity_tokens],
+    add("--kv-capacity-tokens", type=_capacities, default=str(defaults.kv_capacity_tokens),
         help="KV pool size in tokens (max_total_num_tokens); bounds the prefix cache and running requests. "
         "Comma-separated: one per --ports entry, for a fleet of unequal replicas")
     add("--max-running-requests", type=int, default=defaults.max_running_requests,

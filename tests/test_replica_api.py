@@ -272,3 +272,15 @@ def test_help_documents_every_flag() -> None:
                  "--drop-after-chunks", "--unhealthy-for-s", "--log-level"):
         assert flag in out
     assert "(default: 400000)" in out and "(default: 1.0)" in out
+
+
+def test_replicas_of_one_process_take_one_kv_capacity_each_or_all_the_same() -> None:
+    from simulator.replica import build_parser, configs_from_args
+
+    def capacities(*argv: str) -> list[int]:
+        return [c.engine.kv_capacity_tokens for c in configs_from_args(build_parser().parse_args(list(argv)))]
+    assert capacities("--ports", "1,2,3", "--kv-capacity-tokens", "3000,4500,9000") == [3000, 4500, 9000]
+    assert capacities("--ports", "1,2", "--kv-capacity-tokens", "6000") == [6000, 6000]
+    assert capacities("--port", "1") == [400_000]
+    with pytest.raises(ValueError, match="2 capacities for 3 ports"):
+        capacities("--ports", "1,2,3", "--kv-capacity-tokens", "1,2")
