@@ -69,7 +69,7 @@ def test_hot_prefix_spills_when_its_owner_saturates_and_stays_otherwise() -> Non
     chooser = policy()
     backends[0].backlog.add(3000, time.monotonic())  # queued: under 4x the 1,500 tokens it saves, sticky
     assert chooser.choose(backends, request(hot + "q1")).backend is backends[0]
-    backends[0].backlog.add(6000, time.monotonic())  # saturated: replicate elsewhere
+    backends[0].backlog.add(9000, time.monotonic())  # saturated: replicate elsewhere
     spilled = chooser.choose(backends, request(hot + "q2"))
     assert spilled.backend is not backends[0] and spilled.route is Route.SPILL
     spilled.backend.index.insert(request(hot + "q2").hashes)
@@ -100,6 +100,17 @@ def test_conversations_spread_over_empty_caches_though_one_backend_holds_the_sys
         prompt = request(system + text(f"user {i} opens a conversation", 300))
         counts[Placement(chooser.choose(backends, prompt), prompt).backend.url] += 1
     assert min(counts.values()) >= 2, counts  # with a full cache's weight everywhere: 13, 1, 1, 1
+
+
+def test_new_conversation_leaves_a_nearly_full_cache_for_an_empty_one_despite_the_system_prompt() -> None:
+    # Issue #20 at light load: conversations arrive one by one, and their histories will fill the cache they
+    # settle in. A nearly full cache evicts live histories to take one more; an empty one only prefills.
+    backends = make_backends(2, capacity_blocks=400)
+    for i in range(6):
+        backends[0].index.insert(request(SYSTEM + text(f"history {i}", 3500)).hashes)
+    assert backends[0].index.size_blocks > 0.85 * backends[0].index.capacity_blocks
+    decision = policy().choose(backends, request(SYSTEM + text("a new user", 400)))
+    assert decision.backend is backends[1]
 
 
 def test_cold_prefixes_spread_to_the_emptiest_backend_instead_of_the_first() -> None:
