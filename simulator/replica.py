@@ -95,6 +95,8 @@ class _EngineCollector(Collector):
             ("sglang:prompt_tokens", CounterMetricFamily, stats.prompt_tokens_total, "Prompt tokens"),
             ("sglang:generation_tokens", CounterMetricFamily, stats.generation_tokens_total, "Generated tokens"),
             ("sglang:cached_tokens", CounterMetricFamily, stats.cached_tokens_total, "Prompt tokens from cache"),
+            # Requests per replica behind a router that does not relay x-replica-id (loadtest/runner.py).
+            ("sglang:num_requests", CounterMetricFamily, stats.requests_total, "Requests admitted"),
             # The simulator's own (tests read it): requests aborted because their client went away.
             ("replica:aborted_requests", CounterMetricFamily, stats.aborted_total, "Requests aborted"),
         ):

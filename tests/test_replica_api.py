@@ -159,7 +159,7 @@ def test_info_endpoints_have_what_routers_read(sdk: MakeClient, replicas: Proces
 def test_metrics_use_sglang_names_with_model_label(replicas: Process, http: httpx2.Client) -> None:
     text = http.get(replicas.url + "/metrics").text
     for name in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate", "prompt_tokens_total",
-                 "generation_tokens_total", "cached_tokens_total"):
+                 "generation_tokens_total", "cached_tokens_total", "num_requests_total"):
         assert f'sglang:{name}{{model_name="sim-test"}}' in text
 
 
