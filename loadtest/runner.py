@@ -150,11 +150,10 @@ def _fleet_run(scenario: Scenario, label: str, conversations: tuple[Conversation
         progress.close()
         if state is not None:
             print(sharing_figures(front, state, len(result.results)).describe(), file=sys.stderr)
-        counts = None
-        if label in PEERS:
-            # The peers do not relay x-replica-id; count per replica from the replicas' own counters.
-            after = asyncio.run(replica_request_counts(llm.urls))
-            counts = {url: after.get(url, 0) - before.get(url, 0) for url in llm.urls} if after else None
+        # From the replicas' own counters: the peers do not relay x-replica-id, and a replica that served nothing
+        # sends no header at all (cache_aware with every request on one replica showed max/mean 1.00).
+        after = asyncio.run(replica_request_counts(llm.urls))
+        counts = {url: after.get(url, 0) - before.get(url, 0) for url in llm.urls} if after else None
     return result, counts
 
 
