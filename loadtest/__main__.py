@@ -98,7 +98,8 @@ def add_fleet_arguments(run: argparse.ArgumentParser) -> None:
     fleet = run.add_argument_group("fleet (defaults from the scenario file)")
     fleet.add_argument("--replicas", type=int, default=None, metavar="N", help="simulated LLM replicas (presets: 4)")
     fleet.add_argument("--kv-capacity-tokens", type=int, default=None, metavar="TOKENS",
-                       help="KV cache capacity per replica in tokens")
+                       help="KV cache capacity of every replica in tokens (replaces a preset's per-replica "
+                            "capacities)")
     fleet.add_argument("--time-scale", type=float, default=None, metavar="S",
                        help="wall seconds per simulated second (presets: 8.0); reported times are wall / S")
     fleet.add_argument("--max-running-requests", type=int, default=None, metavar="N",
