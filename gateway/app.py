@@ -1,13 +1,15 @@
 """The gateway as an aiohttp application: every generation request goes parse → rewrite → choose → forward →
 record.
 
-    exchange = await self.parse(request, endpoint)     # admitted, body read (bounded), JSON checked, model
-    exchange = self.rewrite(exchange)                   # volatile IDs moved off the prompt prefix (rewrite.py)
-    routing = self.router.routing_request(text)         # chained block hashes of the prompt (hashing.py)
+    exchange = await self.parse(request, endpoint)     # admitted, body read (bounded), JSON checked, model,
+                                                        # session key
+    exchange = self.rewrite(exchange)                   # volatile IDs moved off the prompt prefix (rewrite/)
+    routing = self.router.routing_request(text, ...)    # chained block hashes of the prompt (hashing.py), under
+                                                        # the model's seed, and the session key
     placement, upstream = await self.forward(...)       # router.place: healthy backends filtered, policy picks,
                                                         # load reserved; sent, and again if it failed before
-                                                        # any answer byte (upstream.py says whose fault it was)
-    return await self.relay_answer(...)                 # relayed as it arrives (relay.py), then `record`
+                                                        # any answer byte (fleet/upstream.py says whose fault)
+    return await self.relay_answer(...)                 # relayed as it arrives (api/relay.py), then `record`
 
 The paths and how each is routed are the tables below: prompts routed by prefix (`GENERATION_PATHS`), the
 rest of what engines serve to clients relayed to the least loaded backend (`ENGINE_PATHS`), and a stored
@@ -23,7 +25,6 @@ OpenAI's error shape (Anthropic's on /v1/messages) in one middleware.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -34,26 +35,28 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from gateway.api.admin import AdminApi
 from gateway.api.admission import Admission
 from gateway.api.auth import ApiKeys
 from gateway.api.drain import Drain
-from gateway.fleet.backends import Backend, Pool
-from gateway.config import GatewayConfig
-from gateway.observe.dashboard import Dashboard
-from gateway.errors import (BadRequest, ErrorShape, GatewayError, PayloadTooLarge, ShuttingDown,
-                            StoredResponseUnavailable)
-from gateway.api.headers import HeaderPolicy, client_request_id, forwarded_headers
-from gateway.fleet.health import Upkeep
-from gateway.observe.logs import AccessLog, flush_every
-from gateway.observe.metrics import GatewayMetrics
-from gateway.routing.policies import RoutingRequest
-from gateway.api.prompts import Endpoint, multipart_fields, parse_json, routing_text, validate_body
+from gateway.api.headers import HeaderPolicy, client_request_id, forwarded_headers, with_backend_key
+from gateway.api.prompts import Endpoint, dump_json, multipart_fields, read_json, routing_text, session_key
 from gateway.api.relay import Ending, Outcome, Relay, error_for
-from gateway.api.responses import ResponseOwners, locate, response_id_of
-from gateway.rewrite import Rewriter, enabled_for
-from gateway.routing.router import Placement, Router
+from gateway.api.responses import ResponseOwners, StoredResponses
+from gateway.config import GatewayConfig, check_url
+from gateway.errors import BadRequest, ErrorShape, GatewayError, PayloadTooLarge, ShuttingDown
+from gateway.fleet.backends import Backend
+from gateway.fleet.discovery import Discovery, Membership, sources
+from gateway.fleet.health import Upkeep
+from gateway.fleet.pool import Pool
 from gateway.fleet.shared_state import shared_state
 from gateway.fleet.upstream import UpstreamClient, UpstreamFailure, UpstreamResponse, log_ignored_proxy_environment
+from gateway.observe.dashboard import Dashboard
+from gateway.observe.logs import AccessLog, flush_every
+from gateway.observe.metrics import GatewayMetrics
+from gateway.rewrite import Rewriter, enabled_for
+from gateway.routing.policies import RoutingRequest
+from gateway.routing.router import Placement, Router
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +103,7 @@ class Exchange:
     rewritten_spans: int = 0
     owner: Backend | None = None  # the one backend that can serve it: it holds the stored response named
     stored_id: str | None = None  # GET, DELETE or cancel of this stored response
+    session: str | None = None  # the client's session key (prompts.session_key), when routing follows sessions
 
 
 class Gateway:
@@ -110,16 +114,23 @@ class Gateway:
         self.router = Router(self.pool, config.routing, config.default_model)
         self.rewriter = Rewriter(config.rewrite)
         self.metrics = GatewayMetrics(self.pool)
-        self.shared = shared_state(config.state, self.pool, self.metrics.registry)
+        self.shared = shared_state(config.state, self.pool, self.metrics.registry, self.router.sessions)
         self.client = UpstreamClient(config.connect_timeout_s, config.first_byte_timeout_s, config.request_timeout_s)
         self.upkeep = Upkeep(self.pool, self.client, config)
         self.admission = Admission(config.max_concurrent_requests, config.max_queue_wait_s)
         self.keys = ApiKeys(config.api_keys, config.admin_api_keys)
         self.header_policy = HeaderPolicy(config.forward_client_credentials, config.trusted_proxies)
-        self.responses = ResponseOwners(config.responses_max_ids, config.responses_ttl_s)
+        self.stored = StoredResponses(ResponseOwners(config.responses_max_ids, config.responses_ttl_s), self.pool,
+                                      self.client, config.health.timeout_s, config.expose_backend_urls)
         self.log_access = AccessLog()
         self.drain = Drain(config.shutdown_grace_s)
         self.log_flusher: asyncio.Task[None] | None = None
+        # Backends at run time (fleet/discovery.py): a joined one is checked at once, a removed one's series go.
+        self.membership = Membership(self.pool, self.upkeep.check_soon,
+                                     lambda backend: self.metrics.forget_backend(backend.url))
+        self.discovery = Discovery(self.membership, sources(config.backend_dns, config.backend_dns_interval_s,
+                                                            config.backend_file))
+        self.admin = AdminApi(self.membership, self.keys, check_url) if config.admin_port else None
 
     # -- the request path -------------------------------------------------------------------------------
 
@@ -131,7 +142,8 @@ class Gateway:
         try:
             exchange = await self.parse(request, RELAYED_PATHS[request.path])
             exchange = self.rewrite(exchange, opted_out=not enabled_for(request.headers))
-            routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body))
+            routing = self.router.routing_request(routing_text(exchange.endpoint, exchange.body), exchange.model,
+                                                  exchange.session)
             placement, upstream = await self.forward(exchange, routing, request)
             return await self.relay_answer(request, exchange, placement, upstream)
         finally:
@@ -158,42 +170,26 @@ class Gateway:
             body = read_json(raw, endpoint)
         else:  # an upload: never decoded, only its small fields are looked up
             body = multipart_fields(raw, request.headers.get("content-type", ""))
-        model = self.router.resolve_model(body.get("model"))
+        model = self.router.resolve_model(body.get("model"), body.get("lora_path"))
         request[MODEL] = model
-        owner = await self.owner_of(body.get("previous_response_id"), "previous_response_id", model) \
+        owner = await self.stored.owner_of(body.get("previous_response_id"), "previous_response_id", model) \
             if endpoint is Endpoint.RESPONSES else None
+        session = session_key(endpoint, body, request.headers.get(self.config.session_header)) \
+            if self.router.sessions is not None and endpoint.routes_by_prefix else None
         return Exchange(endpoint, request.method, request.path, body, raw, model, body.get("stream") is True,
-                        request_id_, time.monotonic(), owner=owner)
+                        request_id_, time.monotonic(), owner=owner, session=session)
 
     async def parse_stored(self, request: web.Request) -> Exchange:
         request_id_ = client_request_id(request.headers, os.urandom(16).hex())
         request[REQUEST_ID] = request_id_
         raw = await self.read_body(request)
         stored_id = request.match_info["response_id"]
-        owner = await self.owner_of(stored_id, None, None)
+        owner = await self.stored.owner_of(stored_id, None, None)
         model = owner.model if owner is not None and owner.model else self.router.resolve_model(None)
         request[MODEL] = model
         return Exchange(Endpoint.RESPONSES, request.method, request.path, {}, raw, model,
                         request.query.get("stream") == "true", request_id_, time.monotonic(), owner=owner,
                         stored_id=stored_id)
-
-    async def owner_of(self, response_id: Any, param: str | None, model: str | None) -> Backend | None:
-        """The backend holding a stored response (of `model`, if given), None when none is known to; raises
-        StoredResponseUnavailable when that backend is not healthy (no other one holds the response)."""
-        if not isinstance(response_id, str):
-            return None
-        owner = self.responses.owner(response_id)
-        if owner is None:
-            candidates = [b for b in self.pool.backends if b.healthy and (model is None or b.model == model)]
-            if len(candidates) < 2:  # routing finds the one there is
-                return None
-            owner = await locate(self.client, candidates, response_id, self.config.health.timeout_s)
-            if owner is not None:
-                self.responses.remember(response_id, owner)
-        if owner is None or owner.healthy:
-            return owner
-        raise StoredResponseUnavailable(response_id, owner.url if self.config.expose_backend_urls else owner.name,
-                                        param)
 
     async def read_body(self, request: web.Request) -> bytes:
         """The whole body, bounded in size (the app's client_max_size: 413 above it) and in time."""
@@ -214,28 +210,25 @@ class Gateway:
             self.metrics.rewritten_spans.labels(hit.rule, hit.action.value).inc()
         if result.body is None:
             return exchange
-        try:
-            raw = json.dumps(result.body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate escape in the client's JSON: keep its own escapes
-            raw = json.dumps(result.body, separators=(",", ":")).encode("ascii")
-        return replace(exchange, body=result.body, raw=raw, rewritten_spans=result.moved)
+        return replace(exchange, body=result.body, raw=dump_json(result.body, exchange.raw),
+                       rewritten_spans=result.moved)
 
     async def forward(self, exchange: Exchange, routing: RoutingRequest, request: web.Request
                       ) -> tuple[Placement, UpstreamResponse]:
         """Place the request and open the exchange; one that fails before any answer byte is sent again, up to
         `max_retries` times, to another backend when there is one. Whatever way it fails, the placement is
         released and the outcome recorded."""
+        # Before any placement: a header that cannot be forwarded is the client's 400, with nothing to release.
+        headers = forwarded_headers(request.headers, exchange.request_id, request.remote, self.header_policy)
         tried: list[Placement] = []
         while True:
             placement = self.choose(exchange, routing, [p.backend for p in tried])
             request[PLACED] = True  # from here on, `finish` records however the request ends
             backend = placement.backend
-            headers = forwarded_headers(request.headers, exchange.request_id, request.remote, self.header_policy,
-                                        backend.spec.api_key)
             timeout_s = None if exchange.streaming else self.config.request_timeout_s
             try:
                 upstream = await self.client.open(exchange.method, backend.url + request.path_qs, exchange.raw,
-                                                  headers, timeout_s)
+                                                  with_backend_key(headers, backend.spec.api_key), timeout_s)
             except UpstreamFailure as exc:
                 if not self.retry_after(placement, exchange, exc, len(tried)):
                     raise error_for(exc) from exc
@@ -290,7 +283,7 @@ class Gateway:
             self.drain.open_relays.discard(relay)
             self.record(placement, exchange, relay.outcome)
             if exchange.endpoint is Endpoint.RESPONSES and relay.outcome.status < 400:
-                self.track_response(exchange, placement.backend, relay)
+                self.stored.answered(placement.backend, exchange.stored_id, exchange.method, relay.tap.payload())
 
     def response_headers(self, exchange: Exchange, placement: Placement) -> dict[str, str]:
         backend = placement.backend
@@ -309,16 +302,6 @@ class Gateway:
         if outcome.usage is not None and exchange.stored_id is None:  # a retrieved response was counted once
             self.record_usage(placement, exchange, outcome)
 
-    def track_response(self, exchange: Exchange, backend: Backend, relay: Relay) -> None:
-        """Remember which backend stored a new response (its id read from the payload the usage tap parsed
-        anyway); forget a deleted one."""
-        if exchange.stored_id is None:
-            response_id = response_id_of(relay.tap.payload())
-            if response_id is not None:
-                self.responses.remember(response_id, backend)
-        elif exchange.method == "DELETE":
-            self.responses.forget(exchange.stored_id)
-
     def finish(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
         placement.finish()
         backend = placement.backend
@@ -326,15 +309,15 @@ class Gateway:
             backend.exchange_answered(outcome.status)
         elif outcome.failure is not None and outcome.failure.backend_fault:
             backend.exchange_failed(outcome.failure, outcome.failure.value)
-        route = placement.decision.route.value
+        route, match = placement.decision.route.value, placement.match_fraction
+        status, error = outcome.label, outcome.error
         now_s = time.monotonic()
-        self.metrics.request_done(exchange.endpoint.value, exchange.model, backend.url, route, outcome.label,
-                                  now_s - placement.placed_s, outcome.ttfb_s, placement.match_fraction)
-        if outcome.error and outcome.ending is not Ending.CLIENT_GONE:
-            self.metrics.upstream_errors.labels(backend.url, outcome.error).inc()
-        self.log_access(exchange.method, exchange.path, exchange.model, backend.url, route,
-                        placement.match_fraction, outcome.label, outcome.error, now_s - exchange.started_s,
-                        exchange.request_id)
+        self.metrics.request_done(exchange.endpoint.value, exchange.model, backend.url, route, status,
+                                  now_s - placement.placed_s, outcome.ttfb_s, match)
+        if error and outcome.ending is not Ending.CLIENT_GONE:
+            self.metrics.upstream_errors.labels(backend.url, error).inc()
+        self.log_access(exchange.method, exchange.path, exchange.model, backend.url, route, match, status, error,
+                        now_s - exchange.started_s, exchange.request_id)
 
     def record_usage(self, placement: Placement, exchange: Exchange, outcome: Outcome) -> None:
         usage = outcome.usage
@@ -393,31 +376,28 @@ class Gateway:
         self.log_flusher = asyncio.create_task(flush_every())
         log_ignored_proxy_environment(os.environ)
         await self.client.start()
+        await self.discovery.start()  # the discovered backends are in the first round of health checks
         await self.upkeep.start()
         await self.shared.start()  # replays the other instances' placements before serving
+        self.membership.start()
+        if self.admin is not None and self.config.admin_port is not None:
+            await self.admin.start(self.config.admin_host, self.config.admin_port)
 
     async def on_shutdown(self, app: web.Application) -> None:
         """The server has stopped accepting: /ready says so at once, and what is in flight drains."""
         await self.drain.drain()
 
     async def on_cleanup(self, app: web.Application) -> None:
+        if self.admin is not None:
+            await self.admin.stop()
+        await self.discovery.stop()
+        await self.membership.stop()
         await self.shared.stop()
         await self.upkeep.stop()
         await self.client.close()
         if self.log_flusher is not None:
             self.log_flusher.cancel()
             await asyncio.gather(self.log_flusher, return_exceptions=True)
-
-
-def read_json(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
-    try:
-        body = parse_json(raw)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"The request body is not valid JSON: {exc}.") from None
-    problem = validate_body(endpoint, body)
-    if problem:
-        raise BadRequest(problem)
-    return body  # validate_body checked it is an object
 
 
 def endpoint_of(request: web.Request) -> Endpoint | None:

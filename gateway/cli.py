@@ -58,8 +58,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         table["enabled"] = args.rewrite == "on"
         flags["rewrite"] = table
     config = build_config(file_values, flags)
-    if not config.backends:
-        raise ConfigError("no backends: give --backend URL (repeatable) or [[backends]] in the config file")
+    if not (config.backends or config.backend_dns or config.backend_file or config.admin_port):
+        raise ConfigError("no backends: give --backend URL (repeatable) or [[backends]] in the config file, or "
+                          "find them at run time with --backend-dns, --backend-file or --admin-port")
     return config
 
 
@@ -88,13 +89,28 @@ def demo(args: argparse.Namespace) -> int:
     from gateway.demo import run_demo
 
     configure_logging("info")
-    return run_demo(replicas=args.replicas, port=args.port, time_scale=args.time_scale)
+    return run_demo(replicas=args.replicas, port=args.port, time_scale=args.time_scale, workers=args.workers)
+
+
+def _demo_workers(value: str) -> int:
+    """As `serve --workers` reads it (a count or auto), from the one option table."""
+    try:
+        workers: int = next(option for option in OPTIONS if option.key == "workers").parse("workers", value)
+        return workers
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def check_config(args: argparse.Namespace) -> int:
     """Validate a config file as `serve --config FILE` would, without starting; errors exit 2 (see main)."""
     config = build_config(load_toml(args.file), {})
     backends = f"{len(config.backends)} backends" if config.backends else "no backends (give --backend when serving)"
+    found = [*(f"DNS {name}" for name in config.backend_dns), *([f"file {config.backend_file}"] if
+                                                               config.backend_file else [])]
+    if found:
+        backends = f"{len(config.backends)} backends + those of {', '.join(found)}"
+    if config.admin_port:
+        backends += f", admin API on {config.admin_host}:{config.admin_port}"
     print(f"{args.file}: valid: policy {config.routing.policy}, {backends}, listens on {config.host}:"
           f"{config.port}, rewrite {'on' if config.rewrite.enabled else 'off'}, log {config.log_format}")
     return 0
@@ -114,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--time-scale", type=float, default=0.1,
                              help="speed of the simulated engines: 1.0 = an 8B model on one H100, "
                                   "0.1 = ten times faster (default: 0.1)")
+    demo_parser.add_argument("--workers", type=_demo_workers, default=1, metavar="N",
+                             help="gateway processes on the port, sharing routing state through a private "
+                                  "redis-server (needs redis-server installed; default: 1)")
     demo_parser.set_defaults(handler=demo)
     check_parser = commands.add_parser("check-config", help="validate a TOML config file without starting")
     check_parser.add_argument("file", metavar="FILE", help="the TOML file `serve --config` would read")

@@ -3,13 +3,16 @@
 Precedence: built-in default < `--config FILE` (TOML) < command-line flag. Every option is a top-level TOML key
 spelt with underscores (`cache_threshold = 0.3`), and a flag spelt with dashes (`--cache-threshold 0.3`).
 Backends are `[[backends]]` tables (`url`, optional `model` and `capacity_tokens`) or `--backend URL` flags;
-flags replace the file's list. Prompt rewriting is the `[rewrite]` table (see `rewrite_config.py`).
+flags replace the file's list. Backends found at run time (`backend_dns`, `backend_file`) come on top of them.
+Prompt rewriting is the `[rewrite]` table (see `rewrite_config.py`).
 Values are parsed strictly; a bad one raises `ConfigError` naming the key and the value.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +24,7 @@ from gateway import validate
 from gateway.api.headers import Network, parse_networks
 from gateway.errors import ConfigError
 from gateway.fleet.backends import BackendSpec
+from gateway.fleet.discovery import DnsName
 from gateway.fleet.outlier import OutlierConfig
 from gateway.rewrite.config import RewriteConfig
 from gateway.routing.policies import registry
@@ -39,6 +43,11 @@ class HealthConfig:
 @dataclass(frozen=True)
 class GatewayConfig:
     backends: tuple[BackendSpec, ...] = ()
+    backend_dns: tuple[str, ...] = ()  # HOST:PORT names re-resolved for backends (fleet/discovery.py)
+    backend_dns_interval_s: float = 5.0
+    backend_file: str | None = None  # a file of backend URLs, watched (fleet/discovery.py)
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None  # the admin API's own listener (api/admin.py); None: off
     host: str = "127.0.0.1"
     port: int = 8000
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -59,6 +68,8 @@ class GatewayConfig:
     keepalive_timeout_s: float = 15.0
     write_timeout_s: float = 60.0
     shutdown_grace_s: float = 30.0
+    shutdown_delay_s: float = 0.0
+    max_connections: int | None = None  # None: sized from the open-file limit (gateway/api/connections.py)
     api_keys: tuple[str, ...] = ()
     admin_api_keys: tuple[str, ...] = ()
     forward_client_credentials: bool = False
@@ -68,6 +79,7 @@ class GatewayConfig:
     default_model: str | None = None
     responses_max_ids: int = 100_000  # stored-response owners remembered (gateway/api/responses.py)
     responses_ttl_s: float = 86_400.0
+    session_header: str = "x-session-id"  # a client's session key (gateway/api/prompts.py session_key)
     log_level: str = "info"
     log_format: str = "text"
     state: str | None = None  # redis://HOST:PORT/DB shared by several instances (shared_state.py)
@@ -90,10 +102,29 @@ def _networks(key: str, value: Any) -> tuple[Network, ...]:
         raise ConfigError(f"{key} must list IP addresses or networks like 10.0.0.0/8, got {value!r}: {exc}") from None
 
 
+def _header_name(key: str, value: Any) -> str:
+    if value == "":
+        return ""
+    name = string(key, value).strip().lower()
+    if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9a-z-]+", name):
+        validate.fail(key, "an HTTP header name like x-session-id", value)
+    return name
+
+
 def _workers(key: str, value: Any) -> int:
     if value == "auto":
         return os.cpu_count() or 1
     return at_least(1, integer)(key, value)
+
+
+def _dns_names(key: str, value: Any) -> tuple[str, ...]:
+    names = strings(key, value)
+    for name in names:
+        try:
+            DnsName.parse(name)
+        except ValueError as exc:
+            raise ConfigError(f"{key} must be HOST:PORT names, got {name!r}: {exc}") from None
+    return names
 
 
 def _store_url(key: str, value: Any) -> str:
@@ -136,6 +167,21 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
+    Option("backend_dns", "", "backend_dns", _dns_names,
+           "DNS name whose A/AAAA records are the backends (a Kubernetes headless Service), as HOST:PORT (or "
+           "https://HOST:PORT), re-resolved every --backend-dns-interval-secs: new addresses join after their first "
+           "good health check, vanished ones drain and leave; repeatable, combines with --backend", "HOST:PORT",
+           repeatable=True),
+    Option("backend_dns_interval_secs", "", "backend_dns_interval_s", at_least(0.1, number),
+           "seconds between resolutions of each --backend-dns name"),
+    Option("backend_file", "", "backend_file", string,
+           "file of backend URLs, one per line (# starts a comment), watched for changes: added URLs join after "
+           "their first good health check, removed ones drain and leave; combines with --backend", "FILE"),
+    Option("admin_port", "", "admin_port", at_least(1, integer),
+           "port of the admin API (GET/POST/DELETE /admin/backends: list, add, drain and remove backends at run "
+           "time), a listener of its own; off unless given. It requires --admin-api-key unless --admin-host is a "
+           "loopback address, and a single worker (--workers 1)"),
+    Option("admin_host", "", "admin_host", string, "address the admin API listens on"),
     Option("host", "", "host", string, "address to listen on"),
     Option("port", "", "port", at_least(1, integer), "port to listen on"),
     Option("policy", "routing", "policy", validate.one_of(registry.POLICIES),
@@ -156,6 +202,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("held_weight", "policy", "held_weight", at_least(0.0, number),
            "queued prefill tokens one token of a backend's prefix index is worth to a request that "
            "starts a new branch there (a new conversation settles where the least is held)"),
+    Option("session_weight", "policy", "session_weight", fraction,
+           "how far a session key (--session-header, prompt_cache_key, user) is believed: the tokens its backend "
+           "computed for the key's last request, when the index no longer predicts them, count as cached there "
+           "at this share; 0 ignores keys"),
+    Option("session_header", "", "session_header", _header_name,
+           "request header carrying a client's session key; it wins over the body's prompt_cache_key and user "
+           "(\"\" reads keys from the body only)", "NAME"),
+    Option("session_max_keys", "routing", "session_max_keys", at_least(1, integer),
+           "session keys whose last backend is remembered; the least recently used are forgotten first"),
+    Option("session_ttl_secs", "routing", "session_ttl_s", at_least(1.0, number),
+           "seconds a session key's last backend is remembered after its last request"),
     Option("block_chars", "routing", "block_chars", at_least(8, integer),
            "characters per hashed block of the prefix index (~16 tokens at 64)"),
     Option("chars_per_token", "routing", "chars_per_token", at_least(0.5, number),
@@ -218,12 +275,21 @@ OPTIONS: tuple[Option, ...] = (
     Option("shutdown_grace_secs", "", "shutdown_grace_s", at_least(0.0, number),
            "on SIGTERM, seconds open requests get to finish; then open streams end with an SSE error event "
            "and requests still waiting for their backend get 503"),
+    Option("shutdown_delay_secs", "", "shutdown_delay_s", at_least(0.0, number),
+           "on SIGTERM, seconds /ready answers 503 while the gateway still accepts and serves, before it stops "
+           "accepting and the grace period starts: time for load balancers (probing /ready, or Kubernetes spreading "
+           "the endpoint's removal) to stop sending; 0 stops accepting at once"),
+    Option("max_connections", "", "max_connections", at_least(1, integer),
+           "client connections open at once, per worker; a new one beyond is closed unanswered (counted in "
+           "gateway_client_connections_refused_total); none = the open-file limit less 64, halved, leaving the "
+           "rest for backend connections and files", "N"),
     Option("api_key", "", "api_keys", strings,
            "client API key (Authorization: Bearer KEY) required on every route but /health and /ready; repeat "
            "for several; also read from --api-key-file and PREFIX_GATEWAY_API_KEYS (comma-separated)", "KEY",
            repeatable=True),
     Option("admin_api_key", "", "admin_api_keys", strings,
-           "key that alone opens /metrics, /backends and /dashboard; without one, any client key does", "KEY",
+           "key that alone opens /metrics, /backends and /dashboard (without one, any client key does) and the "
+           "admin API of --admin-port", "KEY",
            repeatable=True),
     Option("forward_client_credentials", "", "forward_client_credentials", boolean,
            "pass the client's Authorization and Cookie headers to backends (true/false)", "BOOL"),
@@ -285,14 +351,38 @@ def build_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any])
             sections[option.section][option.field] = option.parse(option.key, merged[option.key])
     routing = sections["routing"]
     policy = routing.setdefault("policy", registry.DEFAULT_POLICY)
-    return GatewayConfig(
+    return _checked(GatewayConfig(
         backends=parse_backends(merged.get("backends", [])),
         routing=RoutingConfig(policy_config=registry.configure(policy, sections["policy"]), **routing),
         health=HealthConfig(**sections["health"]),
         outlier=_outlier(sections["outlier"]),
         rewrite=RewriteConfig.from_toml(validate.table("rewrite", merged.get("rewrite", {}))),
         **sections[""],
-    )
+    ))
+
+
+def _checked(config: GatewayConfig) -> GatewayConfig:
+    """What no single option can say is wrong: the admin API's guard and its single process."""
+    if config.admin_port is None:
+        return config
+    if not config.admin_api_keys and not is_loopback(config.admin_host):
+        raise ConfigError(f"admin_port on {config.admin_host!r} needs admin_api_key: without one only a loopback "
+                          "admin_host (127.0.0.1, ::1, localhost) may serve the admin API")
+    if config.workers > 1:
+        raise ConfigError("admin_port needs workers = 1: each worker has its own pool, and an admin request would "
+                          "reach one of them; change backends of several workers with backend_file or backend_dns")
+    if config.admin_port == config.port and config.admin_host == config.host:
+        raise ConfigError(f"admin_port must differ from port ({config.port})")
+    return config
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _outlier(values: dict[str, Any]) -> OutlierConfig:

@@ -2,7 +2,8 @@
 
 Starts an LLM pool of simulated SGLang-compatible replicas and one embedding replica (`simulator.replica`),
 then the gateway in front of all of them, each as its own process on 127.0.0.1; prints what to paste; stops
-everything on Ctrl-C or SIGTERM.
+everything on Ctrl-C or SIGTERM. With `--workers N` the gateway serves the port from N processes that share
+their routing state through a private redis-server (gateway/server.py), as `serve --workers N` does.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import threading
 from types import FrameType
 
-from simulator.fleet import FleetError, check_port_free, running_fleet
+from simulator.fleet import FleetError, check_port_free, redis_installed, running_fleet
 
 LLM_MODEL = "sim-llama-8b"
 EMBEDDING_MODEL = "sim-embedding"
@@ -42,7 +43,11 @@ def sdk_snippet(url: str) -> str:
     ])
 
 
-def run_demo(replicas: int, port: int, time_scale: float) -> int:
+def run_demo(replicas: int, port: int, time_scale: float, workers: int = 1) -> int:
+    if workers > 1 and not redis_installed():
+        print("prefix-gateway demo: --workers N shares routing state through a private redis-server, which is "
+              "not installed (apt-get install redis-server)", file=sys.stderr)
+        return 1
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -58,9 +63,9 @@ def run_demo(replicas: int, port: int, time_scale: float) -> int:
             llms = fleet.start_replicas(replicas, args=[*replica_args, "--model", LLM_MODEL], name="llm-replicas")
             embedder = fleet.start_replicas(1, args=[*replica_args, "--embedding", "--model", EMBEDDING_MODEL],
                                             name="embedding-replica")
-            gateway = fleet.start_gateway(llms.urls + embedder.urls, port=port)
+            gateway = fleet.start_gateway(llms.urls + embedder.urls, port=port, args=["--workers", str(workers)])
             gateway.keep_log = True  # the banner points at it, so it outlives the demo
-            print_banner(gateway.url, llms.urls + embedder.urls, gateway.log_path)
+            print_banner(gateway.url, llms.urls + embedder.urls, gateway.log_path, workers)
             while not stop.wait(0.5):
                 dead = [process.name for process in fleet.processes if not process.alive()]
                 if dead:
@@ -73,9 +78,18 @@ def run_demo(replicas: int, port: int, time_scale: float) -> int:
     return 0
 
 
-def print_banner(url: str, backends: list[str], log_path: str) -> None:
+def workers_line(workers: int) -> str:
+    if workers == 1:
+        return "One gateway process (--workers N: N processes on this port, sharing what they learn)."
+    return (f"{workers} gateway processes serve this port and share their routing state (placements, load, health) "
+            f"through a private redis-server:\na prompt goes to the replica that holds its prefix whichever process "
+            f"takes the connection ({workers} instances in {{url}}/ready's state.instance over a few calls).")
+
+
+def print_banner(url: str, backends: list[str], log_path: str, workers: int = 1) -> None:
     print(f"""
 prefix-gateway is ready at {url}  (backends: {', '.join(backends)})
+{workers_line(workers).replace("{url}", url)}
 
 Run this twice; the second answer reports cached tokens (usage.prompt_tokens_details.cached_tokens):
 

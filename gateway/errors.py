@@ -85,9 +85,22 @@ class StoredResponseUnavailable(GatewayError):
 
     def __init__(self, response_id: str, backend: str, param: str | None) -> None:
         super().__init__(f"The response '{response_id}' is stored on backend {backend}, which is not available now "
-                         "(unhealthy or removed); no other backend holds it. Send the conversation again in full "
-                         "(without previous_response_id) to continue on another backend.",
+                         "(unhealthy, draining or removed); no other backend holds it. Send the conversation again in "
+                         "full (without previous_response_id) to continue on another backend.",
                          code="stored_response_unavailable", param=param)
+
+
+class BackendNotFound(GatewayError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"No backend is named '{name}' (GET /admin/backends lists them).", code="backend_not_found")
+
+
+class Conflict(GatewayError):
+    status_code = 409
+    error_type = "invalid_request_error"
 
 
 class PayloadTooLarge(GatewayError):

@@ -5,12 +5,16 @@ What it gives a gateway that must not be knocked over by its clients: header lin
 and 128 headers (400 above), a connection that has not completed a request within the keep-alive timeout is
 closed (slow-header clients cannot hold it), a client that leaves cancels its handler (and so the backend's
 request), and a shutdown that stops accepting, runs `Gateway.on_shutdown` (the grace period), then cancels
-what is left. Several workers share the port with SO_REUSEPORT; the kernel spreads connections over them.
+what is left. Here: open connections are capped (gateway/api/connections.py), and on SIGTERM /ready answers 503
+for `--shutdown-delay-secs` while the port still serves, before that shutdown. Several workers share the port
+with SO_REUSEPORT; the kernel spreads connections over them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing
 import resource
@@ -25,13 +29,16 @@ from types import FrameType
 
 from aiohttp import web, web_protocol
 
-from gateway.app import create_app
+from gateway.api.connections import ConnectionCap, default_max_connections
+from gateway.app import GATEWAY, create_app
 from gateway.config import GatewayConfig
 from gateway.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 _RESPAWN_PAUSE_S = 1.0
+# Young collections every this many container allocations instead of Python's 700 (see `tune_gc`).
+YOUNG_GC_THRESHOLD = 10_000
 
 
 def raise_open_file_limit() -> int:
@@ -59,6 +66,20 @@ def bound_request_queue() -> None:
         web_protocol.MAX_MSG_QUEUE_SIZE = 2
 
 
+async def tune_gc(app: web.Application) -> None:
+    """Keep the cyclic garbage collector off the request path; run once the app has started.
+
+    With Python's defaults it cost about 40 us of CPU per relayed request, a tenth of the total: a young
+    collection every 700 container allocations traverses the live state of every request in flight (a request
+    allocates ~90 of them), and each full collection rescans the ~55,000 objects built at start (modules, the
+    app, the fleet), which never become garbage. Those are frozen out of collection, and young collections
+    run every `YOUNG_GC_THRESHOLD` allocations: the gateway's requests make almost no cycles (about one per
+    four requests), and refcounting frees everything else at once, so little waits longer for collection."""
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, older, oldest)
+
+
 def serve_worker(config: GatewayConfig, reuse_port: bool) -> None:
     """Run one gateway process until SIGTERM or SIGINT."""
     try:
@@ -71,14 +92,53 @@ def serve_worker(config: GatewayConfig, reuse_port: bool) -> None:
     if open_files < 2 * config.max_concurrent_requests + 64:
         logger.warning("open-file limit %d is low for --max-concurrent-requests %d (each request holds two "
                        "sockets)", open_files, config.max_concurrent_requests)
+    max_connections = config.max_connections or default_max_connections(open_files)
+    asyncio.run(run_worker(config, reuse_port, max_connections))
 
-    def ready(_: str) -> None:
-        logger.info("gateway listening on http://%s:%d: policy %s, %d backends", config.host, config.port,
-                    config.routing.policy, len(config.backends))
 
-    web.run_app(create_app(config), host=config.host, port=config.port, reuse_port=reuse_port or None,
-                access_log=None, print=ready, handler_cancellation=True,
-                keepalive_timeout=config.keepalive_timeout_s, shutdown_timeout=config.shutdown_grace_s + 5)
+async def run_worker(config: GatewayConfig, reuse_port: bool, max_connections: int) -> None:
+    """Serve until a stop signal; then /ready answers 503 while the port stays open for
+    `shutdown_delay_s` (load balancers that probe it stop sending), the port closes, and what is in flight
+    drains (`Gateway.on_shutdown`). aiohttp's runner without its `run_app`: that closes the port first, and
+    its site takes aiohttp's protocol factory, where the connection cap must sit in between."""
+    app = create_app(config)
+    app.on_startup.append(tune_gc)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                           keepalive_timeout=config.keepalive_timeout_s, shutdown_timeout=config.shutdown_grace_s + 5)
+    stop = stop_signal()  # before start-up (health checks, the shared-state warm-up): a stop then is clean too
+    await runner.setup()
+    try:
+        assert runner.server is not None  # set up above
+        if stop.is_set():
+            return
+        cap = ConnectionCap(runner.server, max_connections)
+        gateway = app[GATEWAY]
+        cap.export(gateway.metrics.registry)
+        listener = await asyncio.get_running_loop().create_server(cap, config.host, config.port, backlog=128,
+                                                                   reuse_port=reuse_port or None)
+        logger.info("gateway listening on http://%s:%d: policy %s, %d backends, up to %d client connections",
+                    config.host, config.port, config.routing.policy, len(config.backends), max_connections)
+        await stop.wait()
+        await gateway.drain.announce(config.shutdown_delay_s)
+        listener.close()  # no waiting for its connections here: the runner's cleanup drains them
+    finally:
+        await runner.cleanup()
+
+
+def stop_signal() -> asyncio.Event:
+    """Set on the first SIGTERM or SIGINT. That one stops the gateway gracefully; a second one ends it at once
+    (the default action is back), for whoever will not wait for the delay and the grace period."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        stop.set()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal)
+    return stop
 
 
 def serve(config: GatewayConfig) -> int:
@@ -148,7 +208,7 @@ class Supervisor:
                     time.sleep(_RESPAWN_PAUSE_S)
                     self.workers[index] = self._start(index)
         for worker in self.workers:
-            worker.join(self.config.shutdown_grace_s + 10)
+            worker.join(self.config.shutdown_delay_s + self.config.shutdown_grace_s + 10)
         return 0
 
     def _start(self, index: int) -> multiprocessing.process.BaseProcess:

@@ -21,7 +21,7 @@ from loadtest.overhead_report import COLUMNS as OVERHEAD_COLUMNS
 from loadtest.overhead_report import overhead_rows, target_lines
 from loadtest.report import markdown_table, print_report, text_table, write_outputs
 from loadtest.runner import PEERS, Instances, Traffic, run_policies, run_target
-from loadtest.scenarios import LoadLevel, Scenario, list_scenarios, load_scenario, with_overrides
+from loadtest.scenarios import LoadLevel, Scenario, SessionKeys, list_scenarios, load_scenario, with_overrides
 from loadtest.workload import generate, request_count, working_set_tokens
 from loadtest.wrk import wrk_installed
 
@@ -76,6 +76,9 @@ def add_workload_arguments(run: argparse.ArgumentParser) -> None:
                        help="factor on every token length of the scenario (presets: 0.25, b2b-saas 0.0625)")
     knobs.add_argument("--random-range-ratio", type=float, default=None, metavar="RATIO",
                        help="lengths drawn uniformly from [L x RATIO, L] as in SGLang's bench; default 1.0 = fixed")
+    knobs.add_argument("--session-keys", choices=[keys.value for keys in SessionKeys], default=None,
+                       help="multiturn: how each conversation sends its session key (prompt_cache_key, user, the "
+                            "x-session-id header) or none (default: the scenario's, else none)")
     slo = run.add_argument_group("goodput SLOs (simulated seconds)")
     slo.add_argument("--slo-ttft", type=float, default=None, metavar="S", help="TTFT target in s (default 2.0)")
     slo.add_argument("--slo-tpot", type=float, default=None, metavar="S", help="TPOT target in s (default 0.1)")
@@ -148,7 +151,8 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     return with_overrides(
         scenario,
         workload={"num_prompts": args.num_prompts, "seed": args.seed, "scale": args.scale,
-                  "random_range_ratio": args.random_range_ratio},
+                  "random_range_ratio": args.random_range_ratio,
+                  "session_keys": SessionKeys(args.session_keys) if args.session_keys else None},
         fleet={"replicas": args.replicas, "kv_capacity_tokens": args.kv_capacity_tokens,
                # one capacity given on the command line is every replica's
                "replica_kv_capacity_tokens": () if args.kv_capacity_tokens else None,

@@ -3,8 +3,10 @@
 Arrivals are open loop (Poisson at `rate_per_s`, wall-clock) or closed loop (`max_concurrency` in flight), as
 in SGLang's bench. Multi-turn works like SGLang's multi-turn bench: the first round of every conversation is
 queued in order; a conversation's next round is queued only when its previous round has answered, with that
-real answer appended to the history. A failed round continues with an empty answer, so every policy sends the
-same number of requests.
+real answer appended to the history; a round with an idle time is queued that much later (agent sessions that
+pause). A failed round continues with an empty answer, so every policy sends the same number of requests.
+A conversation that names itself (`SessionKeys`) sends its key with every round, as `prompt_cache_key`, `user` or
+the `x-session-id` header.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import httpx2
 
+from loadtest.scenarios import SessionKeys
 from loadtest.workload import Conversation, RequestKind, seeded
 
 Message = dict[str, str]
@@ -39,6 +42,7 @@ class RequestResult:
     output_tokens: int
     replica: str | None            # x-replica-id of the replica that served it
     error: str | None
+    route: str | None = None       # x-gateway-route: why the gateway chose that replica
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class DriveOptions:
     seed: int = 0
     timeout_s: float = 600.0
     ignore_eos: bool = True               # SGLang/vLLM extension: generate exactly max_tokens
+    time_scale: float = 1.0               # wall seconds per simulated second, for turns' idle times
 
 
 @dataclass
@@ -136,7 +141,12 @@ async def _send(client: httpx2.AsyncClient, base_url: str, item: tuple[Conversat
     if turn_index + 1 < len(conversation.turns):
         user = {"role": "user", "content": turn.user_text}
         reply = {"role": "assistant", "content": answer}
-        state.queue.put_nowait((conversation, turn_index + 1, (*history, user, reply)))
+        following = (conversation, turn_index + 1, (*history, user, reply))
+        idle_s = conversation.turns[turn_index + 1].idle_s * options.time_scale
+        if idle_s > 0:
+            asyncio.get_running_loop().call_later(idle_s, state.queue.put_nowait, following)
+        else:
+            state.queue.put_nowait(following)
 
 
 def _messages(conversation: Conversation, history: tuple[Message, ...], user_text: str) -> tuple[Message, ...]:
@@ -163,11 +173,12 @@ async def _chat(client: httpx2.AsyncClient, base_url: str, conversation: Convers
         body["ignore_eos"] = True
     if options.stream:
         body["stream_options"] = {"include_usage": True}
+    headers = _name_session(conversation, body)
     start = time.perf_counter()
     try:
         if options.stream:
-            return await _chat_stream(client, base_url, body, start, run_start)
-        response = await client.post(f"{base_url}/v1/chat/completions", json=body)
+            return await _chat_stream(client, base_url, body, headers, start, run_start)
+        response = await client.post(f"{base_url}/v1/chat/completions", json=body, headers=headers)
         e2e = time.perf_counter() - start
         if response.status_code != 200:
             return _failed(RequestKind.CHAT, start - run_start, e2e, _error_text(response),
@@ -176,18 +187,29 @@ async def _chat(client: httpx2.AsyncClient, base_url: str, conversation: Convers
         answer = payload["choices"][0]["message"].get("content") or ""
         prompt, cached, output = _usage(payload.get("usage"))
         return RequestResult(0, 0, RequestKind.CHAT, start - run_start, e2e, e2e, (), prompt, cached, output,
-                             response.headers.get("x-replica-id"), None), answer
+                             response.headers.get("x-replica-id"), None, response.headers.get("x-gateway-route")), \
+            answer
     except (httpx2.HTTPError, ValueError, KeyError, IndexError) as exc:
         return _failed(RequestKind.CHAT, start - run_start, time.perf_counter() - start, _describe(exc)), ""
 
 
-async def _chat_stream(client: httpx2.AsyncClient, base_url: str, body: dict[str, Any], start: float,
-                       run_start: float) -> tuple[RequestResult, str]:
+def _name_session(conversation: Conversation, body: dict[str, Any]) -> dict[str, str]:
+    """Put the conversation's session key where its `session_keys` says; the headers to send."""
+    keys = conversation.session_keys
+    if keys is SessionKeys.HEADER:
+        return {"x-session-id": conversation.session_key}
+    if keys is not SessionKeys.NONE:
+        body[keys.value] = conversation.session_key
+    return {}
+
+
+async def _chat_stream(client: httpx2.AsyncClient, base_url: str, body: dict[str, Any], headers: dict[str, str],
+                       start: float, run_start: float) -> tuple[RequestResult, str]:
     chunk_times: list[float] = []
     pieces: list[str] = []
     usage: dict[str, Any] | None = None
-    async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
-        replica = response.headers.get("x-replica-id")
+    async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers) as response:
+        replica, route = response.headers.get("x-replica-id"), response.headers.get("x-gateway-route")
         if response.status_code != 200:
             await response.aread()
             return _failed(RequestKind.CHAT, start - run_start, time.perf_counter() - start,
@@ -213,7 +235,7 @@ async def _chat_stream(client: httpx2.AsyncClient, base_url: str, body: dict[str
     itl = tuple(later - earlier for earlier, later in zip(chunk_times, chunk_times[1:], strict=False))
     prompt, cached, output = _usage(usage)
     return RequestResult(0, 0, RequestKind.CHAT, start - run_start, ttft, e2e, itl, prompt, cached,
-                         output or len(chunk_times), replica, None), "".join(pieces)
+                         output or len(chunk_times), replica, None, route), "".join(pieces)
 
 
 async def _embed(client: httpx2.AsyncClient, base_url: str, conversation: Conversation, text: str,

@@ -103,7 +103,7 @@ def _capacity_arg(fleet: FleetSpec, embedding: bool) -> str:
 def drive_options(scenario: Scenario, traffic: Traffic, time_scale: float) -> DriveOptions:
     rate = traffic.request_rate / time_scale if traffic.request_rate else None
     return DriveOptions(rate_per_s=rate, max_concurrency=traffic.max_concurrency, stream=traffic.stream,
-                        seed=scenario.workload.seed)
+                        seed=scenario.workload.seed, time_scale=time_scale)
 
 
 def run_policies(scenario: Scenario, policies: Sequence[str], traffic: Traffic, *, peers: Sequence[str] = (),
@@ -150,6 +150,10 @@ def _fleet_run(scenario: Scenario, label: str, conversations: tuple[Conversation
         progress.close()
         if state is not None:
             print(sharing_figures(front, state, len(result.results)).describe(), file=sys.stderr)
+        keyed = sum(r.route == "session" for r in result.results)
+        if keyed:
+            print(f"{label}: {keyed} of {len(result.results)} requests went to a backend their session key vouched "
+                  "for beyond its prefix index (route session)", file=sys.stderr)
         # From the replicas' own counters: the peers do not relay x-replica-id, and a replica that served nothing
         # sends no header at all (cache_aware with every request on one replica showed max/mean 1.00).
         after = asyncio.run(replica_request_counts(llm.urls))

@@ -42,6 +42,15 @@ class Popularity(str, Enum):
     UNIQUE = "unique"     # every request its own group: nothing is shared
 
 
+class SessionKeys(str, Enum):
+    """How a client names its conversation to the gateway (gateway/api/prompts.py session_key)."""
+
+    NONE = "none"
+    PROMPT_CACHE_KEY = "prompt_cache_key"  # OpenAI's body field
+    USER = "user"
+    HEADER = "header"                      # x-session-id
+
+
 class LoadLevel(str, Enum):
     LIGHT = "light"
     KNEE = "knee"
@@ -71,6 +80,9 @@ class Workload:
     scale: float = 1.0                 # multiplies every token length above
     random_range_ratio: float = 1.0    # lengths drawn from [L * ratio, L], as SGLang's bench; 1.0 = fixed
     num_prompts: int | None = None     # None: groups x prompts_per_group, or clients x rounds
+    idle_share: float = 0.0            # multiturn: share of conversations that pause once, halfway through
+    idle_s: float = 0.0                # multiturn: simulated seconds such a pause lasts
+    session_keys: SessionKeys = SessionKeys.NONE  # multiturn: the key each conversation sends, if any
     seed: int = 0
 
     def tokens(self, published: int) -> int:
@@ -166,6 +178,8 @@ def parse_scenario(data: dict[str, Any], *, default_name: str = "custom") -> Sce
     workload_fields["kind"] = Kind(data.get("kind", workload_fields.pop("kind", Kind.SHARED_PREFIX.value)))
     if "popularity" in workload_fields:
         workload_fields["popularity"] = Popularity(workload_fields["popularity"])
+    if "session_keys" in workload_fields:
+        workload_fields["session_keys"] = SessionKeys(workload_fields["session_keys"])
     return Scenario(
         name=str(data.get("name", default_name)),
         description=str(data.get("description", "")),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import Enum
 
-from loadtest.scenarios import Kind, Popularity, Workload
+from loadtest.scenarios import Kind, Popularity, SessionKeys, Workload
 from loadtest.textgen import draw_length, words_text
 
 # random-id timestamps start here and advance per request, so they are deterministic for a seed.
@@ -29,6 +29,7 @@ class RequestKind(str, Enum):
 class Turn:
     user_text: str
     max_tokens: int
+    idle_s: float = 0.0        # simulated seconds the client waits after the previous answer before sending it
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ class Conversation:
     group: int                 # the shared-prefix group; -1 when the request shares nothing by design
     system_text: str           # "" for no system message
     turns: tuple[Turn, ...]
+    session_keys: SessionKeys = SessionKeys.NONE  # how it names itself to the gateway (`session_key`)
+
+    @property
+    def session_key(self) -> str:
+        return f"session-{self.index}"
 
 
 def seeded(seed: int, purpose: str) -> random.Random:
@@ -130,14 +136,17 @@ def _multiturn(workload: Workload) -> tuple[Conversation, ...]:
     system_rng, question_rng = seeded(workload.seed, "system"), seeded(workload.seed, "question")
     output_rng = seeded(workload.seed, "output")
     system = words_text(system_rng, workload.tokens(workload.system_tokens))
+    idle = set(seeded(workload.seed, "idle").sample(range(clients), round(clients * workload.idle_share)))
     conversations = []
     for client in range(clients):
         turns = []
-        for _ in range(rounds):
+        for round_ in range(rounds):
             length = draw_length(question_rng, workload.tokens(workload.question_tokens), workload.random_range_ratio)
             output = draw_length(output_rng, workload.tokens(workload.output_tokens), workload.random_range_ratio)
-            turns.append(Turn(words_text(question_rng, length), max(1, output)))
-        conversations.append(Conversation(client, RequestKind.CHAT, workload.model, 0, system, tuple(turns)))
+            pause = workload.idle_s if client in idle and round_ == rounds // 2 else 0.0
+            turns.append(Turn(words_text(question_rng, length), max(1, output), pause))
+        conversations.append(Conversation(client, RequestKind.CHAT, workload.model, 0, system, tuple(turns),
+                                          workload.session_keys))
     return tuple(conversations)
 
 

@@ -124,8 +124,10 @@ def embedding_vector(tokens: list[int], dim: int) -> list[float]:
 class Generation:
     """One request inside the engine: its accounting, and the output pieces as they are decoded."""
 
-    def __init__(self, prompt_tokens: list[int], max_new_tokens: int, prompt_text: str | None, clock_s: float) -> None:
+    def __init__(self, prompt_tokens: list[int], max_new_tokens: int, prompt_text: str | None, clock_s: float,
+                 namespace: int = 0) -> None:
         self.prompt_tokens = prompt_tokens
+        self.namespace = namespace   # the prefix cache's namespace: its LoRA adapter's, 0 for the base model
         self.max_new_tokens = max_new_tokens
         self.prompt_text = prompt_text
         self.seed = zlib.crc32(repr(prompt_tokens[-64:]).encode()) ^ len(prompt_tokens)
@@ -191,6 +193,7 @@ class Engine:
         self._generation_tokens_total = 0
         self._aborted_total = 0
         self._requests_total = 0
+        self._namespaces: dict[str, int] = {}
 
     def start(self) -> None:
         if self._task is None:
@@ -205,8 +208,10 @@ class Engine:
         for gen in [*self._waiting, *self._prefilling, *self._running]:
             gen._finish(self.clock_s)
 
-    def submit(self, prompt_tokens: list[int], max_new_tokens: int, prompt_text: str | None = None) -> Generation:
-        """Queue a request; raises RequestTooLarge when it could never be admitted."""
+    def submit(self, prompt_tokens: list[int], max_new_tokens: int, prompt_text: str | None = None,
+               adapter: str | None = None) -> Generation:
+        """Queue a request (under a LoRA `adapter`, if named); raises RequestTooLarge when it could never be
+        admitted."""
         total = len(prompt_tokens) + max_new_tokens
         if total > self.config.max_context_tokens:
             raise RequestTooLarge(
@@ -215,10 +220,16 @@ class Engine:
         if total > self.config.kv_capacity_tokens:
             raise RequestTooLarge(
                 f"The request needs {total} KV tokens; the pool holds {self.config.kv_capacity_tokens}.")
-        gen = Generation(prompt_tokens, max_new_tokens, prompt_text, self.clock_s)
+        gen = Generation(prompt_tokens, max_new_tokens, prompt_text, self.clock_s, self._namespace(adapter))
         self._waiting.append(gen)
         self._wake.set()
         return gen
+
+    def _namespace(self, adapter: str | None) -> int:
+        """The prefix-cache namespace of `adapter`: one of its own, as vLLM and SGLang cache per adapter."""
+        if adapter is None:
+            return 0
+        return self._namespaces.setdefault(adapter, -1 - len(self._namespaces))
 
     def abort(self, gen: Generation) -> None:
         """Drop a request whose client went away; frees its slot and KV reservation."""
@@ -284,7 +295,7 @@ class Engine:
     def _admit(self, gen: Generation) -> bool:
         if len(self._prefilling) + len(self._running) >= self.config.max_running_requests:
             return False
-        locked = self.cache.lock(gen.prompt_tokens)
+        locked = self.cache.lock(gen.prompt_tokens, gen.namespace)
         # A fully cached prompt still recomputes its last token, which produces the first output token.
         cached = min(locked.tokens, len(gen.prompt_tokens) - 1) if gen.prompt_tokens else 0
         need = len(gen.prompt_tokens) - cached + gen.max_new_tokens
@@ -343,7 +354,7 @@ class Engine:
 
     def _complete(self, gen: Generation) -> None:
         self._release(gen)  # first, so the finished request's blocks may make room for its own output
-        self.cache.insert(gen.cache_sequence())
+        self.cache.insert(gen.cache_sequence(), gen.namespace)
         self._fit_cache()
         gen._finish(self.clock_s)
 
@@ -355,9 +366,9 @@ class Engine:
         """Move the prompt's full blocks from the reservation into the cache, locked while gen runs."""
         self._reserved_tokens -= gen.reserved_tokens
         gen.reserved_tokens = 0
-        self.cache.insert(gen.prompt_tokens)
+        self.cache.insert(gen.prompt_tokens, gen.namespace)
         old = gen.locked
-        gen.locked = self.cache.lock(gen.prompt_tokens)
+        gen.locked = self.cache.lock(gen.prompt_tokens, gen.namespace)
         if old is not None:
             self.cache.unlock(old)
         gen.reserved_tokens = len(gen.prompt_tokens) - gen.locked.tokens + gen.max_new_tokens

@@ -193,17 +193,19 @@ class Fleet:
 
     processes: list[Process] = field(default_factory=list)
 
-    def start_replicas(self, count: int, *, args: Sequence[str] = (), name: str = "replicas") -> Process:
-        """`count` simulated replicas served from one process (cheap on 2 cores); returns it with its URLs."""
-        ports = [free_port() for _ in range(count)]
+    def start_replicas(self, count: int, *, args: Sequence[str] = (), name: str = "replicas",
+                       ports: Sequence[int] = ()) -> Process:
+        """`count` simulated replicas served from one process (cheap on 2 cores); returns it with its URLs.
+        Give the `ports` of stopped ones to restart them where they were."""
+        ports = list(ports) or [free_port() for _ in range(count)]
         argv = [sys.executable, "-m", "simulator.replica", "--ports", ",".join(map(str, ports)), *args]
         process = start_process(name, argv, [base_url(port) for port in ports], ready_path="/health")
         self.processes.append(process)
         return process
 
-    def start_replica(self, *, args: Sequence[str] = (), name: str = "replica") -> Process:
-        """One replica in its own process, so a test can kill it alone."""
-        return self.start_replicas(1, args=args, name=name)
+    def start_replica(self, *, args: Sequence[str] = (), name: str = "replica", port: int | None = None) -> Process:
+        """One replica in its own process, so a test can kill it alone (and restart it on its `port`)."""
+        return self.start_replicas(1, args=args, name=name, ports=[port] if port else [])
 
     def start_gateway(self, backends: Sequence[str], *, args: Sequence[str] = (),
                       env: Mapping[str, str] | None = None, name: str = "gateway",

@@ -11,6 +11,10 @@ is never older than its children, and a prefix loses its last blocks first and i
 order of SGLang's radix cache. Leaves wait in a heap keyed by last access; entries made stale by a later touch
 are skipped when popped (lazy deletion) and the heap is rebuilt when stale entries dominate.
 
+Each LoRA adapter has its own root (`namespace`, a negative id; 0 is the base model's): a block's identity
+then includes the adapter, as vLLM's block hashes include the adapter's name, so the same tokens under two
+adapters are two cache entries.
+
 A running request pins its prefix with `lock()` (SGLang's lock_ref): locked blocks are never evicted, and the
 engine counts them against the pool. The load-test oracle never locks.
 
@@ -74,9 +78,9 @@ class PrefixKVCache:
         self._leaf_heap.clear()
         self._locked_blocks = 0
 
-    def lock(self, tokens: Sequence[int]) -> LockedPrefix:
+    def lock(self, tokens: Sequence[int], namespace: int = _ROOT_ID) -> LockedPrefix:
         """Pin the cached prefix of `tokens` (as `lookup` measures it) against eviction until `unlock`."""
-        path = self._match(tokens)
+        path = self._match(tokens, namespace)
         self._touch(path)
         for block in path:
             if block.locks == 0:
@@ -92,19 +96,19 @@ class PrefixKVCache:
                 if block.children == 0:
                     self._push_leaf(block)  # evictable again
 
-    def lookup(self, tokens: Sequence[int]) -> int:
+    def lookup(self, tokens: Sequence[int], namespace: int = _ROOT_ID) -> int:
         """Number of leading tokens of `tokens` already cached (a multiple of block_tokens); touches them."""
-        path = self._match(tokens)
+        path = self._match(tokens, namespace)
         self._touch(path)
         return len(path) * self.block_tokens
 
-    def insert(self, tokens: Sequence[int]) -> None:
+    def insert(self, tokens: Sequence[int], namespace: int = _ROOT_ID) -> None:
         """Cache every full block of `tokens`, evicting LRU leaves to make room.
 
         When the cache cannot hold the whole prefix even after evicting everything else, the prefix is cut to
         what fits: its first blocks are the ones worth keeping.
         """
-        path = self._match(tokens)
+        path = self._match(tokens, namespace)
         self._touch(path)
         size = self.block_tokens
         wanted = len(tokens) // size - len(path)
@@ -117,7 +121,7 @@ class PrefixKVCache:
             free_blocks = self.capacity_tokens // size - len(self._blocks)
         parent = protected
         for index in range(len(path), len(path) + min(wanted, free_blocks)):
-            parent = self._add(parent, tuple(tokens[index * size:(index + 1) * size]))
+            parent = self._add(parent, tuple(tokens[index * size:(index + 1) * size]), namespace)
 
     def evict(self, num_tokens: int) -> int:
         """Evict LRU leaves until at least `num_tokens` are freed (or the cache is empty); returns tokens freed."""
@@ -126,10 +130,10 @@ class PrefixKVCache:
         blocks = -(-num_tokens // self.block_tokens)
         return self._evict_blocks(blocks, None) * self.block_tokens
 
-    def _match(self, tokens: Sequence[int]) -> list[_Block]:
+    def _match(self, tokens: Sequence[int], namespace: int) -> list[_Block]:
         size = self.block_tokens
         path: list[_Block] = []
-        parent_id = _ROOT_ID
+        parent_id = namespace
         for start in range(0, len(tokens) - size + 1, size):
             block = self._blocks.get((parent_id, tuple(tokens[start:start + size])))
             if block is None:
@@ -149,8 +153,8 @@ class PrefixKVCache:
         if leaf.children == 0:
             self._push_leaf(leaf)
 
-    def _add(self, parent: _Block | None, block_tokens: tuple[int, ...]) -> _Block:
-        parent_id = parent.node_id if parent is not None else _ROOT_ID
+    def _add(self, parent: _Block | None, block_tokens: tuple[int, ...], namespace: int) -> _Block:
+        parent_id = parent.node_id if parent is not None else namespace
         block = _Block((parent_id, block_tokens), self._next_id, parent, self._clock)
         self._next_id += 1
         self._blocks[block.key] = block

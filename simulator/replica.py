@@ -51,6 +51,7 @@ from simulator.replica_requests import (
     ApiError,
     Prompt,
     ReplicaIdHeader,
+    adapter_named,
     body_field,
     check_n,
     json_body,
@@ -70,6 +71,7 @@ class ReplicaConfig:
     model: str = "sim-llama-8b"
     engine: EngineConfig = field(default_factory=EngineConfig)
     embedding: bool = False         # embedding-model mode: /v1/embeddings only
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters served beside `model`, each with its own prefix cache
     embedding_dim: int = 1024
     faults: FaultSettings = field(default_factory=FaultSettings)
     seed: int = 0                   # seeds the fault injector's random choices
@@ -82,8 +84,8 @@ class ReplicaConfig:
 class _EngineCollector(Collector):
     """SGLang's metric names, read from the engine at scrape time (nothing to keep in sync)."""
 
-    def __init__(self, engine: Engine, model: str) -> None:
-        self.engine, self.model = engine, model
+    def __init__(self, engine: Engine, model: str, started_at_s: float) -> None:
+        self.engine, self.model, self.started_at_s = engine, model, started_at_s
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats()
@@ -103,6 +105,9 @@ class _EngineCollector(Collector):
             family = kind(name, help_text, labels=["model_name"])
             family.add_metric([self.model], value)
             yield family
+        # The standard process metric vLLM's Prometheus client exports: a restart moves it.
+        yield GaugeMetricFamily("process_start_time_seconds", "Start time of the process since unix epoch in "
+                                "seconds", value=self.started_at_s)
 
 
 class _Replica:
@@ -113,8 +118,9 @@ class _Replica:
         self.engine = Engine(config.engine)
         self.faults = Faults(config.faults, config.seed)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(self.engine, config.model))
-        self.created = int(time.time())
+        started_at_s = time.time()  # per replica, though several share a process: each restarts alone
+        self.registry.register(_EngineCollector(self.engine, config.model, started_at_s))
+        self.created = int(started_at_s)
         self.apis = AgentApis(self)
 
     # --- inference ---------------------------------------------------------------------------------------
@@ -133,7 +139,7 @@ class _Replica:
         max_new = max_tokens(body, "max_completion_tokens", "max_tokens")
         stream = body_field(body, "stream", bool, False)
         include_usage = bool(body_field(body, "stream_options", dict, {}).get("include_usage"))
-        [gen] = await self._generate([Prompt(tokenize(text), text)], max_new)
+        [gen] = await self._generate([Prompt(tokenize(text), text)], max_new, self.adapter_of(body))
         rid = "chatcmpl-" + uuid.uuid4().hex
         if stream:
             return DroppingEventStream(self._openai_events(gen, rid, include_usage, chat=True),
@@ -152,7 +158,7 @@ class _Replica:
         if stream and len(prompts) > 1:
             raise ApiError(400, "streaming supports a single prompt", "prompt")
         include_usage = bool(body_field(body, "stream_options", dict, {}).get("include_usage"))
-        gens = await self._generate(prompts, max_tokens(body, "max_tokens"))
+        gens = await self._generate(prompts, max_tokens(body, "max_tokens"), self.adapter_of(body))
         rid = "cmpl-" + uuid.uuid4().hex
         if stream:
             return DroppingEventStream(self._openai_events(gens[0], rid, include_usage, chat=False),
@@ -177,7 +183,7 @@ class _Replica:
         if stream and batched:
             raise ApiError(400, "streaming supports a single prompt", "text")
         started = time.monotonic()
-        gens = await self._generate(prompts, max_new)
+        gens = await self._generate(prompts, max_new, self.adapter_of(body))
         rid = body_field(body, "rid", str) or uuid.uuid4().hex
         if stream:
             return DroppingEventStream(self._generate_events(gens[0], rid, started),
@@ -211,12 +217,16 @@ class _Replica:
         return JSONResponse({"object": "list", "data": data, "model": self.config.model,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    async def _generate(self, prompts: list[Prompt], max_new: int) -> list[Generation]:
+    def adapter_of(self, body: dict[str, Any]) -> str | None:
+        """The LoRA adapter `body` asks for, None for the base model; 404 for a model not served here."""
+        return adapter_named(body, self.config.model, self.config.lora_adapters)
+
+    async def _generate(self, prompts: list[Prompt], max_new: int, adapter: str | None = None) -> list[Generation]:
         if self.config.embedding:
             raise ApiError(400, f"{self.config.model} is an embedding model and does not generate text", "model")
-        return await self._admit(prompts, max_new)
+        return await self._admit(prompts, max_new, adapter)
 
-    async def _admit(self, prompts: list[Prompt], max_new: int) -> list[Generation]:
+    async def _admit(self, prompts: list[Prompt], max_new: int, adapter: str | None = None) -> list[Generation]:
         """Apply the injected faults, then queue every prompt; all or none are queued."""
         if self.faults.should_fail():
             raise ApiError(500, "Injected fault: internal server error", error_type="internal_server_error")
@@ -224,7 +234,7 @@ class _Replica:
         gens: list[Generation] = []
         try:
             for prompt in prompts:
-                gens.append(self.engine.submit(prompt.tokens, max_new, prompt.text))
+                gens.append(self.engine.submit(prompt.tokens, max_new, prompt.text, adapter))
         except RequestTooLarge as exc:
             for gen in gens:
                 self.engine.abort(gen)
@@ -309,8 +319,11 @@ class _Replica:
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.config.model, "object": "model", "created": self.created, "owned_by": "sglang",
-                "root": self.config.model, "max_model_len": self.config.engine.max_context_tokens}
-        return JSONResponse({"object": "list", "data": [card]})
+                "root": self.config.model, "parent": None, "max_model_len": self.config.engine.max_context_tokens}
+        # Adapters follow the base model, naming it as their parent, as vLLM and SGLang list them.
+        adapters = [{"id": name, "object": "model", "created": self.created, "owned_by": "sglang", "root": name,
+                     "parent": self.config.model, "max_model_len": None} for name in self.config.lora_adapters]
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     async def server_info(self, request: Request) -> Response:
         cfg = self.config
@@ -445,6 +458,10 @@ def _capacities(text: str) -> list[int]:
             from None
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults, faults = EngineConfig(), FaultSettings()
     p = argparse.ArgumentParser(
@@ -467,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="real seconds per simulated second (0.01 runs 100x faster than a real GPU)")
     add("--embedding", action="store_true", help="embedding-model mode: serve /v1/embeddings, refuse generation")
     add("--embedding-dim", type=int, default=1024, help="embedding vector dimension")
+    add("--lora-adapters", type=_names, default=(), help="comma-separated LoRA adapter names served beside "
+        "--model: listed in /v1/models with the model as parent, named by requests as vLLM (model) or SGLang "
+        "(model 'base:adapter', lora_path) name them, each with a prefix cache of its own")
     add("--error-rate", type=float, default=faults.error_rate,
         help="fault: fraction (0..1) of inference requests answered 500")
     add("--latency-ms", type=float, default=faults.latency_ms,
@@ -492,8 +512,8 @@ def configs_from_args(args: argparse.Namespace) -> list[ReplicaConfig]:
     faults = FaultSettings(error_rate=args.error_rate, latency_ms=args.latency_ms, hang=args.hang,
                            drop_after_chunks=args.drop_after_chunks, unhealthy_for_s=args.unhealthy_for_s)
     return [ReplicaConfig(port=port, host=args.host, model=args.model, engine=_engine_config(args, capacity),
-                          embedding=args.embedding, embedding_dim=args.embedding_dim, faults=faults,
-                          seed=args.seed + index)
+                          embedding=args.embedding, embedding_dim=args.embedding_dim,
+                          lora_adapters=args.lora_adapters, faults=faults, seed=args.seed + index)
             for index, (port, capacity) in enumerate(zip(ports, capacities, strict=True))]
 
 

@@ -130,7 +130,8 @@ class AgentApis:
         instructions = body_field(body, "instructions", str)
         system = [{"role": "system", "content": instructions}] if instructions else []
         text = render_chat(system + conversation, body_field(body, "tools", list))
-        [gen] = await self.replica._generate([Prompt(tokenize(text), text)], max_tokens(body, "max_output_tokens"))
+        [gen] = await self.replica._generate([Prompt(tokenize(text), text)], max_tokens(body, "max_output_tokens"),
+                                             self.replica.adapter_of(body))
         head = {"id": "resp_" + uuid.uuid4().hex, "created_at": int(time.time()), "body": body,
                 "conversation": conversation}
         if body_field(body, "stream", bool, False):
@@ -218,7 +219,8 @@ class AgentApis:
     async def messages(self, request: Request) -> Response:
         body = await json_body(request)
         text = self._messages_prompt(body)
-        [gen] = await self.replica._generate([Prompt(tokenize(text), text)], max_tokens(body, "max_tokens"))
+        [gen] = await self.replica._generate([Prompt(tokenize(text), text)], max_tokens(body, "max_tokens"),
+                                             self.replica.adapter_of(body))
         message_id = "msg_" + uuid.uuid4().hex
         if body_field(body, "stream", bool, False):
             return DroppingEventStream(self._message_events(gen, message_id),

@@ -66,6 +66,24 @@ def max_tokens(body: dict[str, Any], *names: str) -> int:
     return DEFAULT_MAX_TOKENS
 
 
+def adapter_named(body: dict[str, Any], model: str, adapters: tuple[str, ...]) -> str | None:
+    """The LoRA adapter a request is for (None: the base model `model`), named vLLM's way (`model` is the
+    adapter) or SGLang's (`model` as "base:adapter", or a `lora_path` field). Any other model is unknown: 404, as
+    vLLM answers it."""
+    named, lora_path = body.get("model"), body.get("lora_path")
+    if isinstance(named, str) and ":" in named:
+        base, _, adapter = named.rpartition(":")
+        if base == model and adapter in adapters:
+            return adapter
+    if named is not None and named != model:
+        if named in adapters:
+            return str(named)
+        raise ApiError(404, f"The model `{named}` does not exist.", "model", error_type="NotFoundError")
+    if lora_path is not None and lora_path not in adapters:
+        raise ApiError(400, f"The LoRA adapter '{lora_path}' is not loaded.", "lora_path")
+    return lora_path if isinstance(lora_path, str) else None
+
+
 def check_n(body: dict[str, Any]) -> None:
     if body_field(body, "n", int, 1) != 1:
         raise ApiError(400, "only n=1 is supported", "n")

@@ -10,9 +10,10 @@ from gateway.api.prompts import Endpoint
 from gateway.app import Exchange, Gateway
 from gateway.config import GatewayConfig
 from gateway.errors import ModelNotFound, NoHealthyBackend
-from gateway.fleet.backends import Backend, BackendSpec, Pool
+from gateway.fleet.backends import Backend, BackendSpec
 from gateway.fleet.engines import Engine, EngineInfo, ModelInfo
 from gateway.fleet.outlier import Outlier, OutlierConfig
+from gateway.fleet.pool import Pool
 from gateway.fleet.upstream import Failure, UpstreamFailure
 from gateway.routing.router import Router
 from tests.policy_fixtures import make_backends, request, text

@@ -46,3 +46,23 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path, capsys: pytest.Captur
 def test_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-config", str(tmp_path / "absent.toml")]) == 2
     assert "cannot be read" in capsys.readouterr().err
+
+
+def test_run_time_backend_options_are_accepted_and_summarised(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text('backend_dns = ["vllm-headless.llm.svc:8000"]\nbackend_dns_interval_secs = 2\n'
+                    'backend_file = "/etc/prefix-gateway/backends.txt"\nadmin_port = 9100\nadmin_host = "0.0.0.0"\n'
+                    'admin_api_key = ["admin-secret"]\n')
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "DNS vllm-headless.llm.svc:8000, file /etc/prefix-gateway/backends.txt" in out
+    assert "admin API on 0.0.0.0:9100" in out
+
+
+def test_an_admin_port_open_to_the_network_without_an_admin_key_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text('admin_port = 9100\nadmin_host = "0.0.0.0"\n')
+    assert main(["check-config", str(path)]) == 2
+    assert "admin_api_key" in capsys.readouterr().err

@@ -7,7 +7,8 @@ import httpx2
 import pytest
 
 from gateway.demo import print_banner
-from gateway.fleet.backends import BackendSpec, Pool
+from gateway.fleet.backends import BackendSpec
+from gateway.fleet.pool import Pool
 from gateway.observe.dashboard import HISTORY_S, MAX_SAMPLES, WINDOW_S, Dashboard
 from gateway.observe.metrics import GatewayMetrics
 from simulator.fleet import Fleet

@@ -149,29 +149,48 @@ def test_compose_gateway_and_replica_commands_use_valid_flags() -> None:
         else:
             assert entrypoint[:3] == ["python", "-m", "simulator.replica"], name
             replica_parser().parse_args([*entrypoint[3:], *service["command"]])
-    assert gateways == 4
+    assert gateways == 5  # the sim profile runs two instances
 
 
 def test_compose_gives_gateways_time_to_drain() -> None:
     for name, service in services().items():
         if service.get("image") == GATEWAY_IMAGE and "entrypoint" not in service:
             config = config_from_args(build_parser().parse_args(gateway_argv(service["command"])))
-            assert int(service["stop_grace_period"].rstrip("s")) >= config.shutdown_grace_s + 5, name
+            assert int(service["stop_grace_period"].rstrip("s")) >= \
+                config.shutdown_delay_s + config.shutdown_grace_s + 5, name
 
 
-def test_compose_gateways_wait_for_healthy_backends_they_name() -> None:
+def named_hosts(args: list[str], flag: str) -> set[str]:
+    """The hosts of the URLs given to `flag` in a command line."""
+    return {re.match(r"\w+://([^:/]+)", args[i + 1]).group(1)  # type: ignore[union-attr]
+            for i, arg in enumerate(args) if arg == flag}
+
+
+def test_compose_gateways_wait_for_healthy_backends_and_state_they_name() -> None:
     all_services = services()
     for name, service in all_services.items():
         if service.get("image") != GATEWAY_IMAGE or "entrypoint" in service:
             continue
         args = gateway_argv(service["command"])
-        hosts = {re.match(r"https?://([^:/]+)", args[i + 1]).group(1)  # type: ignore[union-attr]
-                 for i, arg in enumerate(args) if arg == "--backend"}
+        hosts = named_hosts(args, "--backend") | named_hosts(args, "--state")
         assert set(service["depends_on"]) == hosts, name
         for backend in hosts:
             assert service["depends_on"][backend] == {"condition": "service_healthy"}, name
             assert "healthcheck" in all_services[backend], backend
             assert set(all_services[backend]["profiles"]) == set(service["profiles"]), backend
+
+
+def test_compose_sim_gateways_are_several_instances_of_several_workers_sharing_one_store() -> None:
+    gateways = {name: gateway_argv(service["command"]) for name, service in services().items()
+                if service.get("image") == GATEWAY_IMAGE and "entrypoint" not in service
+                and service["profiles"] == ["sim"]}
+    assert len(gateways) == 2
+    configs = [config_from_args(build_parser().parse_args(args)) for args in gateways.values()]
+    assert all(config.workers > 1 for config in configs)
+    assert len({config.state for config in configs}) == 1
+    (store,) = set().union(*(named_hosts(args, "--state") for args in gateways.values()))
+    assert "valkey" in services()[store]["image"] or "redis" in services()[store]["image"]
+    assert len({tuple(services()[name]["ports"]) for name in gateways}) == 2  # each on a port of its own
 
 
 def test_compose_engines_report_cached_tokens_and_metrics() -> None:
@@ -239,14 +258,14 @@ def test_kubernetes_deployment_probes_terminates_gracefully_and_runs_a_valid_com
     (container,) = pod["containers"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
-    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert pre_stop[0] == "sleep"
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert is_pinned(container["image"])
     check_gateway_command(container["args"])
-    # SIGTERM comes after preStop; the server then drains for the grace period and takes 5 s more to close.
+    # After SIGTERM the gateway serves on while the endpoint's removal spreads (a few seconds), then drains for
+    # the grace period and takes 5 s more to close.
     config = config_from_args(build_parser().parse_args(container["args"]))
-    assert pod["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + config.shutdown_grace_s + 5
+    assert config.shutdown_delay_s >= 3
+    assert pod["terminationGracePeriodSeconds"] >= config.shutdown_delay_s + config.shutdown_grace_s + 5
 
 
 def test_kubernetes_service_and_budget_select_the_deployments_pods() -> None:

@@ -5,9 +5,11 @@ clients, shutdown, API keys and what reaches a backend. Each test is a row of th
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import resource
+import select
 import signal
 import socket
 import tempfile
@@ -18,8 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import httpx2
+import pytest
 
-from simulator.fleet import Fleet, Process
+from simulator.fleet import Fleet, Process, redis_installed
 from tests.capture_backend import capture_backend
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA
 
@@ -76,7 +79,9 @@ async def many_clients(url: str, count: int, body: dict[str, object], timeout_s:
 
 def test_gateway_out_of_file_descriptors_sheds_load_and_marks_no_backend_down(fleet: Fleet) -> None:
     replicas = fleet.start_replicas(3, args=[*FAST_REPLICA, "--latency-ms", "300"])
-    gateway = fleet.start_gateway(replicas.urls, args=FAST_GATEWAY, preexec_fn=open_files_limit(256))
+    # The connection cap (sized from the limit) would close the extra clients before descriptors run out.
+    gateway = fleet.start_gateway(replicas.urls, args=[*FAST_GATEWAY, "--max-connections", "100000"],
+                                  preexec_fn=open_files_limit(256))
     outcomes = asyncio.run(many_clients(gateway.url, 1000, question(), timeout_s=60))
     # Answered, told to retry (503 + Retry-After: the gateway could not open a connection upstream), or closed
     # unanswered (a connection the process had no descriptor for: libuv accepts and closes it). Never a 502.
@@ -204,6 +209,32 @@ def test_huge_and_too_many_headers_are_refused_and_memory_stays_bounded(fleet: F
     assert httpx2.post(gateway.url + CHAT, json=question(), trust_env=False, timeout=30).status_code == 200
 
 
+def peak_rss_growth_kib(process: Process, action: Callable[[], object]) -> int:
+    """How far the process's resident memory rose above where it was while `action` ran."""
+    with open(f"/proc/{process.popen.pid}/clear_refs", "w", encoding="ascii") as clear:
+        clear.write("5")  # the high-water mark restarts from the current RSS
+    before_kib = rss_kib(process)
+    action()
+    with open(f"/proc/{process.popen.pid}/status", encoding="ascii") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) - before_kib
+
+
+def test_a_30_mb_prompt_costs_a_bounded_multiple_of_its_size_in_flight(fleet: Fleet) -> None:
+    # A small index keeps what the prompt's blocks add to it (~330 B a block, up to a quarter of the index) out
+    # of the measure: that stays after the request, bounded by --max-tree-size.
+    with capture_backend() as (url, captured):
+        gateway = fleet.start_gateway([url], args=[*FAST_GATEWAY, "--max-tree-size", "64000"])
+        text = "".join(f"line {i} of a very long document\n" for i in range(1_000_000))[:30_000_000]
+        for prefix, bound in (("", 6), ("request 3f2b8c1e-9d4a-4e7b-8c2d-1a2b3c4d5e6f: ", 7)):  # the rewriter's too
+            body = json.dumps({"model": "capture-model", "messages": [{"role": "user", "content": prefix + text}]})
+            grown_kib = peak_rss_growth_kib(gateway, functools.partial(
+                httpx2.post, gateway.url + CHAT, content=body, trust_env=False, timeout=120,
+                headers={"content-type": "application/json"}))
+            assert grown_kib * 1024 < bound * len(body), (prefix, grown_kib // 1024)
+            assert len(captured.bodies.pop()) >= len(body) - 100
+            time.sleep(0.5)
+
+
 def test_client_that_never_reads_is_dropped_and_the_replica_request_aborted(fleet: Fleet) -> None:
     # An answer long enough that the engine is still generating when the buffers on the way have filled
     # (~30k tokens) and the write timeout has run out.
@@ -272,6 +303,73 @@ def test_sigterm_drains_short_streams_and_ends_long_ones_with_an_error_event(fle
     log = gateway.log_tail(max_chars=20_000)
     assert "status=200 error=shutdown" in log
     assert "Traceback" not in log and "CancelledError" not in log
+
+
+def ready_status(url: str) -> tuple[int, bool] | None:
+    """/ready's status and its `stopping`, or None when nothing listens on the port any more."""
+    try:
+        answer = httpx2.get(url + "/ready", trust_env=False, timeout=5)
+    except httpx2.ConnectError:
+        return None
+    return answer.status_code, answer.json()["stopping"]
+
+
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.skipif(
+    not redis_installed(), reason="--workers 2 starts a private redis-server, which is not installed"))])
+def test_sigterm_turns_ready_503_while_still_serving_for_the_delay_then_closes_the_port(fleet: Fleet,
+                                                                                          workers: int) -> None:
+    replica = fleet.start_replica(args=FAST_REPLICA)
+    gateway = fleet.start_gateway(replica.urls, args=[*FAST_GATEWAY, "--shutdown-delay-secs", "2",
+                                                      "--workers", str(workers)])
+    assert ready_status(gateway.url) == (200, False)
+    gateway.popen.send_signal(signal.SIGTERM)
+    time.sleep(0.5)  # the supervisor passes the signal on to its workers every 0.2 s
+    # Every worker says so (new connections are spread over them), and still serves.
+    assert {ready_status(gateway.url) for _ in range(6)} == {(503, True)}
+    served = httpx2.post(gateway.url + CHAT, json=question(), trust_env=False, timeout=30)
+    assert served.status_code == 200, served.text
+    deadline = time.monotonic() + 10
+    while ready_status(gateway.url) is not None:  # then the port closes
+        assert time.monotonic() < deadline, "the gateway still listens long after the delay"
+        time.sleep(0.1)
+    assert gateway.popen.wait(timeout=10) == 0
+
+
+def open_idle(url: str, count: int) -> list[socket.socket]:
+    """`count` connections that send nothing."""
+    host, port = url.removeprefix("http://").split(":")
+    return [socket.create_connection((host, int(port)), timeout=5) for _ in range(count)]
+
+
+def closed_by_peer(connections: list[socket.socket], wait_s: float = 0.5) -> list[bool]:
+    """Which of `connections` the other end closed within `wait_s` (an open idle one has nothing to read)."""
+    time.sleep(wait_s)
+    readable = set(select.select(connections, [], [], 0)[0])
+    return [sock in readable and sock.recv(1, socket.MSG_PEEK) == b"" for sock in connections]
+
+
+def test_connections_beyond_the_cap_are_closed_at_once_while_requests_are_served(fleet: Fleet) -> None:
+    replica = fleet.start_replica(args=FAST_REPLICA)
+    gateway = fleet.start_gateway(replica.urls, args=[*FAST_GATEWAY, "--max-connections", "6",
+                                                      "--log-level", "info"])
+    idle = open_idle(gateway.url, 5)
+    try:
+        with httpx2.Client(trust_env=False, timeout=30) as client:  # the sixth connection: still served
+            assert client.post(gateway.url + CHAT, json=question()).status_code == 200
+            assert client.get(gateway.url + "/ready").status_code == 200
+        time.sleep(0.2)  # its close reaches the gateway
+        more = open_idle(gateway.url, 5)
+        idle += more
+        assert closed_by_peer(more) == [False, True, True, True, True]
+        assert closed_by_peer(idle[:5], wait_s=0) == [False] * 5  # those under the cap stay open
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(0.2)
+    assert httpx2.post(gateway.url + CHAT, json=question(), trust_env=False, timeout=30).status_code == 200
+    assert metric(gateway.url, "gateway_client_connections_refused_total") == 4
+    assert metric(gateway.url, "gateway_client_connections_max") == 6
+    assert gateway.log_tail(20_000).count("the cap (--max-connections)") == 1  # once per interval
 
 
 def test_api_keys_from_flag_file_and_environment_guard_every_route_but_the_probes(fleet: Fleet) -> None:

@@ -15,7 +15,8 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from gateway.fleet.backends import BackendSpec, Pool, RemoteLoad
+from gateway.fleet.backends import BackendSpec, RemoteLoad
+from gateway.fleet.pool import Pool
 from gateway.fleet.shared_state import KEY_PREFIX, LOAD_TTL_S, PLACED, SharedState, backend_id, encode_update
 from simulator.fleet import Fleet, Process, redis_installed, running_fleet
 from tests.conftest import FAST_GATEWAY, FAST_REPLICA

@@ -14,6 +14,7 @@ from gateway.fleet.engines import (
     discover_engine,
     discover_model,
     read_load,
+    read_start_time,
     scrape_metrics,
 )
 
@@ -145,3 +146,10 @@ def test_error_bodies_and_junk_are_misses_not_crashes() -> None:
                           "/v1/models": fixture("vllm", "error_model_not_found.json"), "/metrics": b"\xff{not metrics"})
     assert engine_of(errors) == EngineInfo(Engine.OPENAI_COMPATIBLE, None)
     assert model_of(errors) is None
+
+
+def test_vllm_reports_its_process_start_time_and_sglangs_fixture_none() -> None:
+    families = asyncio.run(scrape_metrics(vllm(), URL, 1.0))
+    assert families is not None and read_start_time(families) == pytest.approx(1.79646857892e9)
+    sglang_families = asyncio.run(scrape_metrics(sglang(), URL, 1.0))
+    assert sglang_families is not None and read_start_time(sglang_families) is None

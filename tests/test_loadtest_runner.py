@@ -17,7 +17,7 @@ import pytest
 
 from loadtest.__main__ import main
 from loadtest.runner import Instances, Traffic, run_policies, sglang_router_installed
-from loadtest.scenarios import FleetSpec, Kind, LoadRates, Scenario, Slo, Workload
+from loadtest.scenarios import FleetSpec, Kind, LoadRates, Scenario, SessionKeys, Slo, Workload
 from simulator.fleet import redis_installed
 
 
@@ -62,6 +62,18 @@ def test_multiturn_rounds_carry_the_real_answers() -> None:
     assert all(s.messages[2]["role"] == "assistant" and s.messages[2]["content"] for s in last_rounds)
     later = [r for r in outcome.drive.results if r.turn > 0]
     assert all(r.cached_tokens > 0 for r in later)
+
+
+def test_an_idle_session_sends_its_next_turn_only_after_its_pause() -> None:
+    scenario = tiny_scenario(Kind.MULTITURN)
+    workload = replace(scenario.workload, idle_share=1.0, idle_s=30.0, session_keys=SessionKeys.PROMPT_CACHE_KEY)
+    (outcome,) = run_policies(replace(scenario, workload=workload), ["prefix_aware"],
+                              Traffic(request_rate=None, max_concurrency=8))
+    assert outcome.summary.requests == 9 and outcome.summary.errors == 0
+    by_turn = {(r.conversation, r.turn): r for r in outcome.drive.results}
+    for conversation in range(3):  # 30 simulated seconds at time-scale 0.01: 0.3 s of wall clock
+        before, after = by_turn[conversation, 0], by_turn[conversation, 1]
+        assert after.start_s - (before.start_s + before.e2e_s) >= 0.3
 
 
 @pytest.mark.peer

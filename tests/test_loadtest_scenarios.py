@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 
 from loadtest.__main__ import build_parser, scenario_from_args, traffic_from_args
+from loadtest.client import _name_session
 from loadtest.runner import Traffic, replica_args
-from loadtest.scenarios import Kind, Popularity, Workload, list_scenarios, load_scenario, parse_scenario
+from loadtest.scenarios import Kind, Popularity, SessionKeys, Workload, list_scenarios, load_scenario, parse_scenario
 from loadtest.textgen import draw_length, words_text
 from loadtest.workload import RequestKind, generate, request_count, working_set_tokens
 from simulator.tokenizer import count_tokens
@@ -167,3 +168,25 @@ def test_mixed_models_sends_the_embedding_share_to_the_embedding_model() -> None
     assert all(c.model == workload.embedding_model and not c.system_text for c in embeddings)
     assert all(count_tokens(c.turns[0].user_text) == 50 for c in embeddings)
     assert all(c.model == workload.model for c in conversations if c.kind is RequestKind.CHAT)
+
+
+def test_agent_sessions_pause_once_halfway_and_name_themselves() -> None:
+    workload = Workload(kind=Kind.MULTITURN, clients=8, rounds=4, system_tokens=50, question_tokens=20,
+                        output_tokens=5, idle_share=0.25, idle_s=3.0, session_keys=SessionKeys.USER)
+    conversations = generate(workload)
+    pauses = [[turn.idle_s for turn in c.turns] for c in conversations]
+    assert sorted(pauses)[-2:] == [[0.0, 0.0, 3.0, 0.0]] * 2 and sum(map(sum, pauses)) == 6.0
+    assert {c.session_keys for c in conversations} == {SessionKeys.USER}
+    assert len({c.session_key for c in conversations}) == 8
+
+
+def test_session_keys_go_in_the_body_field_or_the_header_named() -> None:
+    (conversation,) = generate(Workload(kind=Kind.MULTITURN, clients=1, rounds=1))
+    sent = {}
+    for keys in SessionKeys:
+        body: dict[str, object] = {}
+        headers = _name_session(replace(conversation, session_keys=keys), body)
+        sent[keys] = (body, headers)
+    key = conversation.session_key
+    assert sent == {SessionKeys.NONE: ({}, {}), SessionKeys.PROMPT_CACHE_KEY: ({"prompt_cache_key": key}, {}),
+                    SessionKeys.USER: ({"user": key}, {}), SessionKeys.HEADER: ({}, {"x-session-id": key})}

@@ -14,7 +14,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.fleet.backends import BackendSpec, Pool
+from gateway.fleet.backends import BackendSpec
+from gateway.fleet.pool import Pool
 from gateway.observe.metrics import GatewayMetrics
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

@@ -1,4 +1,4 @@
-from gateway.fleet.backends import Pool
+from gateway.fleet.pool import Pool
 from gateway.routing.policies import PolicyConfig, Route
 from gateway.routing.policies.basic import LeastLoad, PowerOfTwo, Random, RoundRobin, SeededConfig
 from gateway.routing.policies.cache_aware import CacheAware, CacheAwareConfig

@@ -1,4 +1,17 @@
-from gateway.api.prompts import Endpoint, multipart_fields, render_chat, routing_text, validate_body
+import json
+
+import pytest
+
+from gateway.api import prompts
+from gateway.api.prompts import (
+    Endpoint,
+    dump_json,
+    multipart_fields,
+    parse_json,
+    render_chat,
+    routing_text,
+    validate_body,
+)
 
 
 def test_chat_rendering_of_a_turn_is_a_prefix_of_the_next_turn() -> None:
@@ -100,3 +113,25 @@ def test_multipart_fields_are_found_without_decoding_the_upload() -> None:
             b'--B\r\ncontent-disposition: form-data; name="stream"\r\n\r\ntrue\r\n--B--\r\n')
     assert multipart_fields(body, "multipart/form-data; boundary=B") == {"model": "whisper", "stream": True}
     assert multipart_fields(body, "application/json") == {}
+
+
+def test_large_bodies_are_parsed_without_orjson_and_read_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    document = {"messages": [{"role": "user", "content": "x" * 300_000}], "n": 2**70, "s": "\ud800"}
+    raw = json.dumps(document).encode()
+    assert parse_json(raw) == json.loads(raw)
+
+    def no_orjson(raw: bytes) -> object:  # it parses through scratch memory of ~13x the document
+        raise AssertionError("orjson used for a large body")
+
+    monkeypatch.setattr(prompts.orjson, "loads", no_orjson)
+    assert parse_json(raw)["n"] == 2**70
+
+
+def test_a_rewritten_body_is_written_as_json_reads_it_back_whatever_it_holds() -> None:
+    for source in ('{"m":[{"c":"héllo \\u2028"}],"t":0.1,"x":1e16}', '{"n":100000000000000000000000}',
+                   '{"s":"\\ud800"}', '{"f":NaN,"g":-Infinity}', '{"c":"about NaN"}', '{"t":1e400,"u":-2E+308}',
+                   '{"v":' + "9" * 320 + '.5}'):
+        body = parse_json(source.encode())
+        written = dump_json(body, source.encode())
+        assert json.dumps(json.loads(written)) == json.dumps(body), source  # NaN is not null, 2**70 not refused
+    assert dump_json({"c": "é"}, b"{}") == '{"c":"é"}'.encode()  # compact UTF-8, as the engine's own JSON

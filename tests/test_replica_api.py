@@ -215,7 +215,7 @@ def test_unhealthy_for_flag_makes_probes_503(embedder: Process, http: httpx2.Cli
 def test_error_rate_one_answers_500_in_openai_shape(sdk: MakeClient, faulty: str, http: httpx2.Client) -> None:
     assert http.post(faulty + "/control/faults", json={"error_rate": 1.0}).json()["error_rate"] == 1.0
     with pytest.raises(openai.InternalServerError) as raised:
-        sdk(faulty).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        sdk(faulty).chat.completions.create(model="sim-test", messages=[{"role": "user", "content": "x"}])
     assert raised.value.status_code == 500
     assert set(raised.value.response.json()["error"]) == {"message", "type", "param", "code"}
 

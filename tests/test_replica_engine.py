@@ -206,3 +206,15 @@ def test_locked_and_reserved_tokens_never_exceed_the_pool_under_random_load() ->
 
     worst = run(scenario, kv_capacity_tokens=capacity, max_running_requests=8)
     assert 0 < worst <= capacity
+
+
+def test_a_prompt_cached_under_one_adapter_is_cached_under_no_other() -> None:
+    async def scenario(engine: Engine) -> list[int]:
+        cached = []
+        for adapter in ("sql", "sql", "chat", None):
+            gen = engine.submit(prompt(512), 1, adapter=adapter)
+            await finish(gen)
+            cached.append(gen.cached_tokens)
+        return cached
+
+    assert run(scenario) == [0, 511, 0, 0]  # a fully cached prompt still computes its last token

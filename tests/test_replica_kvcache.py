@@ -202,3 +202,14 @@ def test_locked_prefix_survives_eviction_until_unlocked() -> None:
     cache.insert(seq(200, 4))
     assert cache.lookup(seq(0, 2)) == 0
     check_invariants(cache)
+
+
+def test_each_adapter_namespace_caches_the_same_tokens_apart() -> None:
+    cache = PrefixKVCache(capacity_tokens=100, block_tokens=B)
+    tokens = seq(0, 3)
+    cache.insert(tokens, namespace=-1)
+    assert cache.lookup(tokens, namespace=-1) == 3 * B
+    assert cache.lookup(tokens, namespace=-2) == 0 and cache.lookup(tokens) == 0
+    cache.insert(tokens)
+    assert cache.used_tokens == 6 * B  # two entries for the same tokens
+    check_invariants(cache)

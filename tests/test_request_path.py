@@ -330,6 +330,22 @@ async def test_credentials_stay_at_the_gateway_and_the_backend_key_is_sent_inste
         assert len(received["x-request-id"]) <= 128
 
 
+async def test_header_that_cannot_be_forwarded_is_400_and_holds_no_backend() -> None:
+    backend = FakeBackend()
+    async with running_gateway(backend) as harness:
+        server = harness.client.server
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        body = json.dumps({"messages": [{"role": "user", "content": "hello"}]}).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                     b"x-note: caf\xe9\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+        status_line = await reader.readline()
+        writer.close()
+        assert b" 400 " in status_line and not backend.received
+        assert harness.metric("gateway_requests_total", status="400") == 1
+        harness.assert_nothing_held()
+
+
 async def test_forwarded_for_is_extended_only_behind_a_trusted_proxy() -> None:
     spoofed = {"X-Forwarded-For": "6.6.6.6", "Forwarded": "for=6.6.6.6"}
     for trusted, chain in (((), "127.0.0.1"), (parse_networks(["127.0.0.0/8"]), "6.6.6.6, 127.0.0.1")):

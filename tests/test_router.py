@@ -11,7 +11,8 @@ from gateway.api.relay import Outcome
 from gateway.api.usage import Usage
 from gateway.app import Exchange, Gateway
 from gateway.config import GatewayConfig
-from gateway.fleet.backends import BackendSpec, Pool
+from gateway.fleet.backends import BackendSpec
+from gateway.fleet.pool import Pool
 from gateway.routing.policies import Decision, Route
 from gateway.routing.router import MAX_RECORD_SHARE, Placement, Router
 from tests.policy_fixtures import text

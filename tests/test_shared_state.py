@@ -10,12 +10,14 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from gateway.fleet.backends import Backend, BackendSpec, Pool, RemoteLoad
+from gateway.fleet.backends import Backend, BackendSpec, RemoteLoad
+from gateway.fleet.pool import Pool
 from gateway.fleet.shared_state import (
     CORRECTED,
     DOWN,
     DOWN_VERDICT_MAX_AGE_S,
     PLACED,
+    SESSION,
     SharedState,
     apply_update,
     backend_id,
@@ -28,6 +30,7 @@ from gateway.routing.policies import PolicyConfig
 from gateway.routing.policies.basic import LeastLoad
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.router import Router, RoutingConfig
+from gateway.routing.sessions import Sessions
 from simulator.fleet import free_port
 from tests.policy_fixtures import make_backends, request, text
 
@@ -109,6 +112,12 @@ class Recorder:
     def marked_down(self, backend: Backend) -> None:
         self.calls.append(("down", backend.url, 0))
 
+    def cleared(self, backend: Backend) -> None:
+        self.calls.append(("cleared", backend.url, 0))
+
+    def session_visited(self, backend: Backend, key: int, blocks: int, last_hash: int) -> None:
+        self.calls.append(("session", backend.url, blocks))
+
 
 def test_the_router_publishes_placements_corrections_and_down_verdicts() -> None:
     pool = healthy_pool(2)
@@ -128,6 +137,25 @@ def test_the_router_publishes_placements_corrections_and_down_verdicts() -> None
     assert recorder.calls == [("placed", url, blocks), ("placed", url, blocks), ("corrected", url, 0),
                               ("placed", url, blocks), ("placed", url, len(longer.hashes)),
                               ("corrected", url, blocks), ("down", url, 0)]
+
+
+def test_a_session_key_is_published_with_its_backend_and_learnt_by_the_other_instances() -> None:
+    pool = healthy_pool(2)
+    recorder = Recorder()
+    for backend in pool.backends:
+        backend.publisher = recorder
+    router = Router(pool, RoutingConfig(policy="prefix_aware"))
+    prompt = router.routing_request(text("an agent's session", 2000), session="agent-1")
+    placement = router.place("m", prompt)
+    assert ("session", placement.backend.url, len(prompt.hashes)) in recorder.calls
+    other, sessions = healthy_pool(2), Sessions(max_keys=10, ttl_s=60.0)
+    assert prompt.session is not None
+    update = (prompt.session, len(prompt.hashes), prompt.hashes[-1])
+    assert apply_update(by_id(other), SESSION, backend_id(placement.backend.url), update, 0.0, sessions)
+    visit = sessions.last_visit(prompt.session)
+    assert visit is not None and visit.backend.url == placement.backend.url and visit.blocks == len(prompt.hashes)
+    # An instance that keeps no keys (a baseline policy) ignores them.
+    assert not apply_update(by_id(other), SESSION, backend_id(placement.backend.url), update, 0.0, None)
 
 
 def test_a_verdict_from_another_instance_is_not_published_again() -> None:
@@ -179,3 +207,21 @@ def test_without_a_store_routing_goes_on_and_updates_are_dropped_and_counted() -
     assert described["up"] is False and described["warmed_updates"] is None
     assert described["dropped_updates"] == 5 and described["published_updates"] == 0
     assert "ConnectionError" in str(described["error"])
+
+
+def test_a_backend_added_at_run_time_publishes_and_receives_updates() -> None:
+    pool = healthy_pool(1)
+    shared = SharedState(f"redis://127.0.0.1:{free_port()}/0", pool, CollectorRegistry())
+
+    async def run() -> Backend:
+        await shared.start()
+        added = pool.add(BackendSpec("http://b9", model="m"))
+        await shared.stop()
+        return added
+
+    added = asyncio.run(run())
+    assert added.publisher is shared
+    added.restarted("a test")  # published as a CLEARED update: appended, never raises
+    assert backend_id(added.url) in shared._backends()
+    pool.remove(added)
+    assert backend_id(added.url) not in shared._backends()

@@ -4,7 +4,8 @@ With no keys configured every client is let in (the gateway then trusts its netw
 Keys guard every route but `/health` and `/ready` (probes carry no keys). An admin key, when set, is the only
 one that opens `/metrics`, `/backends` and `/dashboard`; without one, any client key does. A browser cannot
 send a Bearer header to a page, so `/dashboard` also takes the key as the password of HTTP Basic auth (any
-user name): the browser asks for it once and sends it with the page's data requests too.
+user name): the browser asks for it once and sends it with the page's data requests too. The admin API
+(`--admin-port`, api/admin.py) takes the admin key only.
 """
 
 from __future__ import annotations
@@ -37,10 +38,20 @@ class ApiKeys:
         allowed = self._admin if admin and self._admin else self._client
         if not allowed:
             return
-        given = _presented(headers.get("authorization", "")) or headers.get("x-api-key", "").encode()
-        # Compare with every key, so the time taken does not tell which one nearly matched.
-        if not any([hmac.compare_digest(given, key) for key in allowed]):
+        if not _matches(headers, allowed):
             raise BrowserUnauthorized() if path.startswith("/dashboard") else Unauthorized()
+
+    def check_admin(self, headers: Mapping[str, str]) -> None:
+        """Raises Unauthorized unless the request carries an admin key: for the admin API's own listener, which
+        client keys never open. With no admin key it is open (config.py allows that on loopback only)."""
+        if self._admin and not _matches(headers, self._admin):
+            raise Unauthorized("Incorrect or missing admin API key: send it as 'Authorization: Bearer KEY'.")
+
+
+def _matches(headers: Mapping[str, str], allowed: tuple[bytes, ...]) -> bool:
+    given = _presented(headers.get("authorization", "")) or headers.get("x-api-key", "").encode()
+    # Compare with every key, so the time taken does not tell which one nearly matched.
+    return any([hmac.compare_digest(given, key) for key in allowed])
 
 
 class BrowserUnauthorized(Unauthorized):

@@ -1,7 +1,8 @@
 """The shutdown drain: what a stopping gateway waits for, and how it ends what outlasts the grace period.
 
 Requests are either unanswered (queued for a slot, being parsed, waiting for the backend's first byte) or
-answering (a `Relay` is sending the backend's answer). On SIGTERM the server stops accepting and `drain()` gives
+answering (a `Relay` is sending the backend's answer). On SIGTERM `announce()` turns /ready to 503 (for
+`--shutdown-delay-secs` the port still serves), then the server stops accepting and `drain()` gives
 both `grace_s` to finish; then an open answer ends with an SSE error event (its `Relay`), and an unanswered
 request is cancelled and answered 503 `shutting_down` with Retry-After, so the client can retry elsewhere.
 """
@@ -53,6 +54,14 @@ class Drain:
     def cut_by_shutdown(self) -> bool:
         """Whether the current request was cancelled by `drain`, not by its client."""
         return asyncio.current_task() in self._cut
+
+    async def announce(self, delay_s: float) -> None:
+        """A stop signal arrived: /ready answers 503 from now on while the gateway keeps serving for `delay_s`,
+        so that load balancers probing it stop sending before the port closes."""
+        self.stopping = True
+        if delay_s > 0:
+            logger.info("stopping: /ready answers 503; still serving for %g s before closing the port", delay_s)
+            await asyncio.sleep(delay_s)
 
     async def drain(self) -> None:
         """The server has stopped accepting: wait up to `grace_s` for what is in flight, then end the rest."""

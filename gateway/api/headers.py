@@ -52,21 +52,27 @@ def client_request_id(headers: CIMultiDictProxy[str], generated: str) -> str:
     return generated
 
 
-def forwarded_headers(headers: CIMultiDictProxy[str], request_id: str, peer: str | None, policy: HeaderPolicy,
-                      backend_key: str | None) -> list[tuple[str, str]]:
-    """The headers sent upstream; raises BadRequest for a value that is not UTF-8 (it cannot be re-sent)."""
+def forwarded_headers(headers: CIMultiDictProxy[str], request_id: str, peer: str | None,
+                      policy: HeaderPolicy) -> list[tuple[str, str]]:
+    """The client's headers as sent upstream, to any backend; raises BadRequest for a value that is not UTF-8
+    (it cannot be re-sent)."""
     dropped = _NOT_FORWARDED if policy.forward_credentials else _NOT_FORWARDED | _CREDENTIALS
     named = headers.get("connection")
     if named:
         dropped = dropped | {token.strip().lower() for token in named.split(",")}
     sent = [(name, _checked(name, value)) for name, value in headers.items() if name.lower() not in dropped]
-    if backend_key is not None:
-        sent = [(name, value) for name, value in sent if name.lower() != "authorization"]
-        sent.append(("Authorization", f"Bearer {backend_key}"))
     sent.append(("x-request-id", request_id))
     if peer:
         sent += _forwarded_for(headers, peer, policy)
     return sent
+
+
+def with_backend_key(sent: list[tuple[str, str]], backend_key: str | None) -> list[tuple[str, str]]:
+    """`sent` for a backend with a key of its own (vLLM's --api-key): that key instead of any client's."""
+    if backend_key is None:
+        return sent
+    return [(name, value) for name, value in sent if name.lower() != "authorization"] + [
+        ("Authorization", f"Bearer {backend_key}")]
 
 
 def _checked(name: str, value: str) -> str:

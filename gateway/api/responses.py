@@ -4,7 +4,7 @@ An engine keeps the responses it produced (`store`, on by default) in its own me
 one in `previous_response_id`, and `GET`/`DELETE /v1/responses/{id}`, only work on that engine. The gateway
 reads each response's id from the answer (the JSON body's `id`, or the `response` object of the stream's last
 event that carries usage: `response.completed`, or `response.created` when the stream broke early) and
-remembers its backend here; requests naming the id go there while it is healthy (`Gateway.owner_of`).
+remembers its backend here; requests naming the id go there while it is healthy (`StoredResponses.owner_of`).
 
 The map is bounded in entries and in age, oldest first (every entry lives the same `ttl_s`, so the oldest is
 always at the front and expiry is a pop from the left). An id this process does not know (made through another
@@ -23,7 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import quote
 
+from gateway.errors import StoredResponseUnavailable
 from gateway.fleet.backends import Backend
+from gateway.fleet.pool import Pool
 from gateway.fleet.upstream import UpstreamClient, UpstreamFailure
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,47 @@ class ResponseOwners:
             if now - at < self.ttl_s:
                 return
             self._owners.popitem(last=False)
+
+
+class StoredResponses:
+    """The request path's side of stored responses: which backend a request naming one must go to, and what an
+    answer teaches about them."""
+
+    def __init__(self, owners: ResponseOwners, pool: Pool, client: UpstreamClient, probe_timeout_s: float,
+                 expose_backend_urls: bool) -> None:
+        self.owners = owners
+        self.pool = pool
+        self.client = client
+        self.probe_timeout_s = probe_timeout_s
+        self.expose_backend_urls = expose_backend_urls
+
+    async def owner_of(self, response_id: Any, param: str | None, model: str | None) -> Backend | None:
+        """The backend holding a stored response (of `model`, if given), None when none is known to; raises
+        StoredResponseUnavailable when that backend is not healthy (no other one holds the response)."""
+        if not isinstance(response_id, str):
+            return None
+        owner = self.owners.owner(response_id)
+        if owner is None:
+            candidates = [b for b in self.pool.backends
+                          if b.healthy and not b.draining and (model is None or b.serves(model))]
+            if len(candidates) < 2:  # routing finds the one there is
+                return None
+            owner = await locate(self.client, candidates, response_id, self.probe_timeout_s)
+            if owner is not None:
+                self.owners.remember(response_id, owner)
+        if owner is None or (owner.healthy and not owner.draining):  # a draining one is leaving: sent nothing new
+            return owner
+        raise StoredResponseUnavailable(response_id, owner.url if self.expose_backend_urls else owner.name, param)
+
+    def answered(self, backend: Backend, stored_id: str | None, method: str, payload: Any) -> None:
+        """A successful answer from `backend`: remember which backend stored a new response (its id read from the
+        payload the usage tap parsed anyway); forget a deleted one (`stored_id`: the request named it)."""
+        if stored_id is None:
+            response_id = response_id_of(payload)
+            if response_id is not None:
+                self.owners.remember(response_id, backend)
+        elif method == "DELETE":
+            self.owners.forget(stored_id)
 
 
 def response_id_of(payload: Any) -> str | None:

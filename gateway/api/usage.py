@@ -10,16 +10,14 @@ last `meta_info` of SGLang's `/generate` stream, the Responses API's `response.c
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gateway.api.prompts import parse_json
 
 _USAGE_MARKERS = (b'"usage"', b'"meta_info"', b'"timings"')
 
 
-@dataclass(frozen=True)
-class Usage:
+class Usage(NamedTuple):
     prompt_tokens: int
     cached_tokens: int | None  # None: the backend does not report cache hits
 

@@ -2,23 +2,20 @@
 
 A `Backend` is mutable state owned by the event loop and changed only through its own methods: the health checker
 reports checks, discoveries and load readings; the router reserves and releases load; the record step reports how
-each exchange ended (outlier ejection, outlier.py); policies only read. `Pool` answers "which backends may serve
-model M right now".
+each exchange ended (outlier ejection, outlier.py); policies only read. The pool of them is pool.py.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.errors import BadRequest, ModelNotFound, NoHealthyBackend
 from gateway.fleet.engines import Engine, EngineInfo, ModelInfo
-from gateway.fleet.outlier import FAILED_STATUSES, Ejection, Outlier, OutlierConfig
+from gateway.fleet.outlier import FAILED_STATUSES, Ejection, Outlier
 from gateway.fleet.upstream import Failure
 from gateway.routing.backlog import PendingPrefill, PrefillBacklog
 from gateway.routing.prefix_index import PrefixIndex
@@ -53,6 +50,9 @@ class LoadSignals:
 # Failures that eject at once: a refused connection, or a whole timeout waited out. A connection broken before
 # the answer is not among them: a pooled keep-alive connection the engine just closed breaks that way too.
 _AT_ONCE = frozenset({Failure.CONNECT, Failure.FIRST_BYTE_TIMEOUT, Failure.IDLE_TIMEOUT})
+# Seconds by which a reported process start time may wander without meaning a restart (it is a float computed from
+# the boot time and clock ticks, and a reporting process may round it).
+RESTART_TOLERANCE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,10 @@ class Publisher(Protocol):
 
     def marked_down(self, backend: Backend) -> None: ...
 
+    def cleared(self, backend: Backend) -> None: ...
+
+    def session_visited(self, backend: Backend, key: int, blocks: int, last_hash: int) -> None: ...
+
 
 class NotShared:
     """The publisher of a gateway that shares nothing."""
@@ -93,6 +97,12 @@ class NotShared:
     def marked_down(self, backend: Backend) -> None:
         pass
 
+    def cleared(self, backend: Backend) -> None:
+        pass
+
+    def session_visited(self, backend: Backend, key: int, blocks: int, last_hash: int) -> None:
+        pass
+
 
 NOT_SHARED = NotShared()
 NO_REMOTE_LOAD = RemoteLoad()
@@ -104,9 +114,15 @@ class Backend:
     index: PrefixIndex
     model: str | None = None
     model_card: dict[str, Any] = field(default_factory=dict)  # the backend's own /v1/models entry
+    # The other models it serves, by id -> its /v1/models entry: LoRA adapters of `model`, other names of it
+    other_models: dict[str, dict[str, Any]] = field(default_factory=dict)
     engine: Engine | None = None  # None until discovered
     embedding: bool | None = None  # serves an embedding model; None: its engine does not say
     healthy: bool = False
+    draining: bool = False  # chosen for nothing new; leaves the pool when its requests in flight are done
+    source: str = "config"  # who added it: "config", "admin", "dns:HOST:PORT" or "file:PATH" (discovery.py)
+    started_at_s: float | None = None  # the engine process's start time, as its /metrics reports it
+    refused_checks: bool = False  # a health check found nothing listening since the last good one
     failed_checks: int = 0  # health checks failed in a row
     passed_checks: int = 0  # ...and passed in a row
     capacity_tokens: int | None = None
@@ -203,7 +219,11 @@ class Backend:
 
     def health_check_passed(self, success_threshold: int) -> None:
         """`success_threshold` passed checks in a row bring the backend back; one ends an ejection for refused
-        connections (it listens again)."""
+        connections (it listens again). A backend that refused a check and listens again restarted, when its
+        engine reports no start time to tell (SGLang, llama.cpp's server)."""
+        if self.refused_checks and self.started_at_s is None and self.index.size_blocks:
+            self.restarted("it refused a health check and answers again")
+        self.refused_checks = False
         self.failed_checks = 0
         self.passed_checks += 1
         if not self.healthy and self.passed_checks >= success_threshold:
@@ -211,9 +231,10 @@ class Backend:
         elif self.outlier.listening():
             logger.info("backend %s returns to service: it accepts connections again", self.url)
 
-    def health_check_failed(self, reason: str, failure_threshold: int) -> None:
+    def health_check_failed(self, reason: str, failure_threshold: int, refused: bool = False) -> None:
         """`failure_threshold` failed checks in a row take the backend out and forget its cache: an engine that
-        stayed away that long has most likely restarted empty."""
+        stayed away that long has most likely restarted empty. `refused`: nothing listened at its address."""
+        self.refused_checks = self.refused_checks or refused
         self.passed_checks = 0
         self.failed_checks += 1
         if self.healthy and self.failed_checks >= failure_threshold:
@@ -221,9 +242,14 @@ class Backend:
         elif not self.healthy and self.failed_checks == 1:
             logger.warning("backend %s is not healthy: %s", self.url, reason)
 
-    def discovered_model(self, found: ModelInfo | None) -> None:
-        """What the backend's /v1/models said (None: nothing readable). A model pinned in config is kept; a
-        changed model means another engine behind the URL: its cache and engine are forgotten."""
+    def serves(self, model: str) -> bool:
+        return self.model == model or model in self.other_models
+
+    def discovered_model(self, found: ModelInfo | None) -> bool:
+        """What the backend's /v1/models said (None: nothing readable); returns whether what it serves changed.
+        A model pinned in config is kept; a changed model means another engine behind the URL: its cache and
+        engine are forgotten. Adapters come and go with the listing (vLLM and SGLang load them at run time)."""
+        before = (self.model, self.other_models.keys())
         if self.spec.model is None and found is not None and found.model != self.model:
             if self.model is not None:
                 logger.warning("backend %s now serves %s (was %s)", self.url, found.model, self.model)
@@ -232,6 +258,15 @@ class Backend:
             self.engine = None  # a new model may be a new engine: look again
         if found is not None:
             self.model_card = found.card if found.model == self.model else {}
+            self._discovered_others(found)
+        return before != (self.model, self.other_models.keys())
+
+    def _discovered_others(self, found: ModelInfo) -> None:
+        others = {name: card for name, card in found.others.items() if name != self.model}
+        if others.keys() != self.other_models.keys():
+            logger.info("backend %s serves %s besides %s", self.url, ", ".join(sorted(others)) or "nothing",
+                        self.model)
+        self.other_models = others
 
     def discovered_engine(self, found: EngineInfo, index_capacity_blocks: Callable[[int | None], int]) -> None:
         """The engine and its KV capacity (a configured capacity wins); the prefix index is bounded to match."""
@@ -246,6 +281,20 @@ class Backend:
         """A scrape of the backend's /metrics, stamped with the time and with our requests then prefilling."""
         self.signals = LoadSignals(queued_requests, running_requests, kv_usage, read_at_s=time.monotonic(),
                                    ours_prefilling=self.prefilling)
+
+    def start_time_read(self, started_at_s: float) -> None:
+        """The engine process's start time (`process_start_time_seconds` in its /metrics). One that moved means the
+        engine restarted behind the same URL, with an empty cache, even between two health checks."""
+        known, self.started_at_s = self.started_at_s, started_at_s
+        if known is not None and abs(started_at_s - known) > RESTART_TOLERANCE_S:
+            self.restarted(f"its process start time moved from {known:.0f} to {started_at_s:.0f}")
+
+    def restarted(self, evidence: str) -> None:
+        """The engine behind the URL started afresh: forget what we thought it cached, here and in the other
+        gateway instances."""
+        logger.warning("backend %s restarted (%s); its prefix index is cleared", self.url, evidence)
+        self.index.clear()
+        self.publisher.cleared(self)
 
     def _mark_down(self, reason: str) -> None:
         if self.healthy:
@@ -271,7 +320,8 @@ class Backend:
     def describe(self) -> dict[str, Any]:
         """The read-only view served at GET /backends."""
         return {
-            "name": self.name, "url": self.url, "model": self.model,
+            "name": self.name, "url": self.url, "model": self.model, "other_models": sorted(self.other_models),
+            "source": self.source, "draining": self.draining,
             "engine": self.engine.value if self.engine else None, "healthy": self.healthy,
             "ejected": self.outlier.ejected, "outlier": self.outlier.describe(),
             "in_flight": self.in_flight, "remote_in_flight": self.remote.in_flight,
@@ -285,76 +335,3 @@ class Backend:
                 "queued_requests": self.signals.queued_requests,
                 "running_requests": self.signals.running_requests, "kv_usage": self.signals.kv_usage},
         }
-
-
-class Pool:
-    """All configured backends, in configuration order (the order ties are broken in where a policy must)."""
-
-    def __init__(self, specs: Sequence[BackendSpec], index_capacity_blocks: int, retry_after_s: int,
-                 outlier: OutlierConfig = OutlierConfig()) -> None:
-        clock = itertools.count(1).__next__  # shared so index timestamps compare across backends
-        self.backends = [Backend(spec, PrefixIndex(index_capacity_blocks, clock), model=spec.model,
-                                 capacity_tokens=spec.capacity_tokens, outlier=Outlier(outlier)) for spec in specs]
-        self._retry_after_s = retry_after_s
-
-    def models(self, healthy_only: bool = True) -> list[str]:
-        return sorted({b.model for b in self.backends if b.model and (b.healthy or not healthy_only)})
-
-    def resolve_model(self, requested: str | None, default_model: str | None) -> str:
-        """The model a request is for: as named, else the default, else the only one there is. A model no
-        backend serves is unknown only once every backend has said what it serves: until then it may be the
-        one still loading, and the client is told to come back (503), not that it does not exist (404)."""
-        known = self.models(healthy_only=False)
-        if requested is not None:
-            if requested in known:
-                return requested
-            silent = sum(1 for b in self.backends if b.model is None)
-            if silent:
-                raise NoHealthyBackend(f"No backend that has answered serves the model '{requested}'; {silent} of "
-                                       f"{len(self.backends)} backends have not answered yet.", self._retry_after_s)
-            raise ModelNotFound(requested, known)
-        if default_model is not None:
-            return default_model
-        if len(known) == 1:
-            return known[0]
-        if not known:
-            raise NoHealthyBackend("No backend has answered yet, so no model is known.", self._retry_after_s)
-        raise BadRequest(f"'model' is required: this gateway serves {self._served()}.", param="model")
-
-    def _served(self) -> str:
-        """The known models, embedding models (where the engine says so) named apart from the others."""
-        embedding = {b.model for b in self.backends if b.model and b.embedding}
-        others = [model for model in self.models(healthy_only=False) if model not in embedding]
-        if not embedding:
-            return ", ".join(others)
-        listed = ", ".join(sorted(embedding))
-        return f"{', '.join(others)} (embedding models: {listed})" if others else f"embedding models: {listed}"
-
-    def serving(self, model: str, exclude: Iterable[Backend] = ()) -> list[Backend]:
-        """The healthy backends of `model` that ejection admits, less `exclude`. When ejection admits none of
-        them, all of them (Envoy's panic routing): ejection steers traffic away from a failing backend, it never
-        refuses what the backends might still serve."""
-        excluded = set(exclude)
-        healthy = [b for b in self.backends if b.healthy and b.model == model and b not in excluded]
-        return [b for b in healthy if b.outlier.admits()] or healthy
-
-    def candidates(self, model: str, exclude: Iterable[Backend] = ()) -> list[Backend]:
-        """As `serving`, but raises NoHealthyBackend rather than return none."""
-        found = self.serving(model, exclude)
-        if not found:
-            raise NoHealthyBackend(f"No healthy backend serves the model '{model}'.", self._retry_after_s)
-        return found
-
-    def model_cards(self) -> list[dict[str, Any]]:
-        """The union of the healthy backends' model entries, one per model id, for GET /v1/models."""
-        cards: dict[str, dict[str, Any]] = {}
-        for backend in self.backends:
-            if backend.healthy and backend.model and backend.model not in cards:
-                cards[backend.model] = backend.model_card or {
-                    "id": backend.model, "object": "model", "created": 0, "owned_by": "prefix-gateway"}
-        return [cards[model] for model in sorted(cards)]
-
-    def ready(self) -> bool:
-        """Every model any backend is known to serve has at least one healthy backend."""
-        known = set(self.models(healthy_only=False))
-        return bool(known) and known == set(self.models(healthy_only=True))

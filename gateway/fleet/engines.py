@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, Protocol, TypeGuard
 
@@ -48,6 +48,14 @@ class Fetcher(Protocol):
 class ModelInfo:
     model: str
     card: dict[str, Any]  # the backend's own /v1/models entry, relayed by the gateway's /v1/models
+    # The listing's other entries by id: LoRA adapters (entries with a `parent`, as vLLM lists `--lora-modules`
+    # and SGLang `--lora-paths`), other names of the model (vLLM's `--served-model-name a b`), other models.
+    others: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def is_lora_adapter(card: dict[str, Any]) -> bool:
+    """A /v1/models entry for a LoRA adapter: it names the model it adapts as its `parent`."""
+    return isinstance(card.get("parent"), str) and bool(card["parent"])
 
 
 @dataclass(frozen=True)
@@ -194,15 +202,26 @@ async def get_json(client: Fetcher, url: str, timeout_s: float) -> Any:
 async def discover_model(client: Fetcher, url: str, timeout_s: float) -> ModelInfo | None:
     """The model a backend serves: OpenAI's /v1/models first, then what an engine's own endpoints say."""
     listing = await get_json(client, url + "/v1/models", timeout_s)
-    if isinstance(listing, dict) and isinstance(listing.get("data"), list) and listing["data"]:
-        card = listing["data"][0]
-        if isinstance(card, dict) and isinstance(card.get("id"), str):
-            return ModelInfo(card["id"], card)
+    if isinstance(listing, dict) and isinstance(listing.get("data"), list):
+        found = read_listing(listing["data"])
+        if found is not None:
+            return found
     for adapter in ADAPTERS:
         name = await adapter.served_model(client, url, timeout_s)
         if name is not None:
             return ModelInfo(name, {})
     return None
+
+
+def read_listing(data: list[Any]) -> ModelInfo | None:
+    """The model of a /v1/models listing: its first entry that is not a LoRA adapter (engines list the base
+    model first), with every other entry beside it."""
+    cards = {card["id"]: card for card in data if isinstance(card, dict) and isinstance(card.get("id"), str)}
+    if not cards:
+        return None
+    model = next((name for name, card in cards.items() if not is_lora_adapter(card)), next(iter(cards)))
+    card = cards.pop(model)
+    return ModelInfo(model, card, cards)
 
 
 async def discover_engine(client: Fetcher, url: str, timeout_s: float) -> EngineInfo:
@@ -245,3 +264,12 @@ def read_load(families: Iterable[Metric]) -> Load | None:
 
 def _positive_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def read_start_time(families: Iterable[Metric]) -> float | None:
+    """The engine process's start time in Unix seconds (`process_start_time_seconds`, the standard process metric
+    that vLLM's Prometheus client exports; SGLang's multiprocess metrics lack it), None when the scrape has none."""
+    for family in families:
+        if family.name == "process_start_time_seconds" and family.samples:
+            return float(family.samples[0].value)
+    return None

@@ -7,7 +7,12 @@ result does to the backend is the backend's own business (`Backend.health_check_
 of real requests are read by outlier ejection (outlier.py), without waiting for a check.
 
 Load signals: every `metrics_interval_s`, `GET /metrics` on each healthy backend, read into `Backend.signals`
-with the time of reading; policies ignore signals older than their staleness bound.
+with the time of reading; policies ignore signals older than their staleness bound. The same scrape carries the
+engine's `process_start_time_seconds` (vLLM exports it): when it moves, the engine restarted and the
+backend's index is cleared (`Backend.start_time_read`).
+
+Each round covers the pool as it is then: a backend added at run time is checked at once (`check_soon`) and in
+every round after; a removed one is in no round.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from gateway.config import GatewayConfig
-from gateway.fleet.backends import Backend, Pool
-from gateway.fleet.engines import discover_engine, discover_model, read_load, scrape_metrics
-from gateway.fleet.upstream import UpstreamClient, UpstreamFailure
+from gateway.fleet.backends import Backend
+from gateway.fleet.engines import discover_engine, discover_model, read_load, read_start_time, scrape_metrics
+from gateway.fleet.pool import Pool
+from gateway.fleet.upstream import Failure, UpstreamClient, UpstreamFailure
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +36,7 @@ class Upkeep:
         self.client = client
         self.config = config
         self._tasks: list[asyncio.Task[None]] = []
+        self._soon: set[asyncio.Task[None]] = set()  # first checks of backends added at run time
 
     async def start(self) -> None:
         """One full round of checks before serving, so /ready and routing are right from the first request."""
@@ -39,10 +46,20 @@ class Upkeep:
             self._tasks.append(asyncio.create_task(self._every(self.config.metrics_interval_s, self.scrape_all)))
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._soon]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+
+    def check_soon(self, backend: Backend) -> None:
+        """Check a backend just added now, not at the next round: it joins after its first good check. Before
+        `start`, its first full round covers it."""
+        if not self._tasks:
+            return
+        task = asyncio.create_task(self.check(backend))
+        self._soon.add(task)
+        task.add_done_callback(self._soon.discard)
 
     async def _every(self, interval_s: float, work: Callable[[], Awaitable[None]]) -> None:
         while True:
@@ -57,31 +74,30 @@ class Upkeep:
 
     async def check(self, backend: Backend) -> None:
         try:
-            ok, reason = await self._probe_health(backend)
+            status, failure = await self.client.get_status(backend.url + "/health", self.config.health.timeout_s)
         except UpstreamFailure as exc:  # the gateway's own resources ran out: no verdict on the backend
             logger.warning("health check of %s skipped: %s", backend.url, exc.detail)
             return
-        if ok:
-            await self._discover(backend)
-            ok = backend.model is not None
-            reason = "its model could not be discovered"
+        if backend not in self.pool.backends:  # removed while its check ran: no verdict brings it back
+            return
         health = self.config.health
-        if ok:
-            backend.health_check_passed(health.success_threshold)
+        if status is None or not 200 <= status < 300:
+            reason = f"GET /health failed: {failure.detail}" if failure else f"GET /health answered {status}"
+            refused = failure is not None and failure.failure is Failure.CONNECT
+            backend.health_check_failed(reason, health.failure_threshold, refused=refused)
+            return
+        await self._discover(backend)
+        if backend not in self.pool.backends:
+            return
+        if backend.model is None:
+            backend.health_check_failed("its model could not be discovered", health.failure_threshold)
         else:
-            backend.health_check_failed(reason, health.failure_threshold)
-
-    async def _probe_health(self, backend: Backend) -> tuple[bool, str]:
-        status, failure = await self.client.get_status(backend.url + "/health", self.config.health.timeout_s)
-        if status is None:
-            return False, f"GET /health failed: {failure}"
-        if 200 <= status < 300:
-            return True, ""
-        return False, f"GET /health answered {status}"
+            backend.health_check_passed(health.success_threshold)
 
     async def _discover(self, backend: Backend) -> None:
         timeout_s = self.config.health.timeout_s
-        backend.discovered_model(await discover_model(self.client, backend.url, timeout_s))
+        if backend.discovered_model(await discover_model(self.client, backend.url, timeout_s)):
+            self.pool.models_changed()
         if backend.engine is None:
             backend.discovered_engine(await discover_engine(self.client, backend.url, timeout_s),
                                       self.config.index_capacity_blocks)
@@ -91,6 +107,11 @@ class Upkeep:
 
     async def scrape(self, backend: Backend) -> None:
         families = await scrape_metrics(self.client, backend.url, self.config.health.timeout_s)
-        load = read_load(families) if families else None
+        if not families:
+            return
+        load = read_load(families)
         if load is not None:
             backend.load_read(*load)
+        started_at_s = read_start_time(families)
+        if started_at_s is not None:
+            backend.start_time_read(started_at_s)

@@ -7,7 +7,8 @@ appending a few bytes to a local buffer (`Backend.publisher`); a background task
 - Index updates go through one Redis stream (`KEY_PREFIX + "index"`, trimmed to about `STREAM_MAXLEN` entries).
   An entry is one flush of one instance: its id, the wall time of its oldest update, and the updates packed
   back to back (`encode_*`): a placement is the backend's compact id and the prompt's block hashes, 8 bytes each;
-  a correction (the backend evicted part of a prompt) the first forgotten block; a down verdict nothing more.
+  a correction (the backend evicted part of a prompt) the first forgotten block; a down verdict, and a restart
+  seen (the backend's whole index cleared), nothing more.
   Backends are named by a 32-bit hash of their URL, so instances must list them under the same URLs.
   A new instance replays the stream before `start()` returns (bounded by `WARM_TIMEOUT_S`): its indexes hold
   the fleet's recent placements before it counts as ready.
@@ -15,6 +16,9 @@ appending a few bytes to a local buffer (`Backend.publisher`); a background task
   remaining prefill tokens, active blocks) into one hash field with a sequence number, and reads the others'
   in the same round trip. Sums over the fresh ones (sequence moved within `LOAD_TTL_S`) land in
   `Backend.remote`, which the policies add to their own.
+- A session key's last backend (`gateway/routing/sessions.py`) goes through the same stream: the key's 64-bit
+  hash, the prompt's block count and last block hash, 24 bytes. Every instance then knows where each key was
+  served last, whichever instance served it.
 - A backend one instance marks down is taken out by the others at once (its index cleared); their own health
   checks bring it back at their next good check. A verdict older than `DOWN_VERDICT_MAX_AGE_S` (replayed) only
   clears the index.
@@ -43,7 +47,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from gateway.fleet.backends import Backend, Pool, RemoteLoad
+from gateway.fleet.backends import Backend, RemoteLoad
+from gateway.fleet.pool import Pool
+from gateway.routing.policies import Visit
+from gateway.routing.router import claimed
+from gateway.routing.sessions import Sessions
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +70,7 @@ DOWN_VERDICT_MAX_AGE_S = 10.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
 DELAY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
 
-PLACED, CORRECTED, DOWN = 1, 2, 3
+PLACED, CORRECTED, DOWN, CLEARED, SESSION = 1, 2, 3, 4, 5
 _HEADER = struct.Struct("<BIH")  # kind, backend id, number of hashes that follow
 _MAX_HASHES = 0xFFFF  # a longer prompt keeps its head, as an index shorter than it does
 _LOAD_HEAD = struct.Struct("<Q")  # sequence number
@@ -111,19 +119,27 @@ def local_load(backend: Backend, now_s: float) -> RemoteLoad:
                       backend.active_blocks)
 
 
-def apply_update(backends: dict[int, Backend], kind: int, backend: int, hashes: Sequence[int], age_s: float) -> bool:
+def apply_update(backends: dict[int, Backend], kind: int, backend: int, hashes: Sequence[int], age_s: float,
+                 sessions: Sessions | None = None) -> bool:
     """Apply one update another instance published `age_s` ago; False when it names no backend of ours, or is of a
-    kind this version does not know."""
+    kind this version does not know (or a session key, when this instance keeps none)."""
     target = backends.get(backend)
     if target is None:
         return False
-    if kind == PLACED:
+    if kind == SESSION:
+        if sessions is None or len(hashes) != 3:
+            return False
+        key, blocks, last_hash = hashes
+        # Eviction counts differ between instances: counted from now, a publication's delay late.
+        recorded = min(blocks, len(claimed(target, range(blocks))))
+        sessions.visited(key, Visit(target, blocks, last_hash, recorded, target.index.evicted_blocks))
+    elif kind == PLACED:
         target.index.insert(hashes)
     elif kind == CORRECTED:
         target.index.truncate(hashes, 0)
     elif kind == DOWN and age_s <= DOWN_VERDICT_MAX_AGE_S:
         target.take_out("another gateway instance marked it down")
-    elif kind == DOWN:  # an old verdict, replayed: its health is our checks' business now, its cache was lost then
+    elif kind in (DOWN, CLEARED):  # an old down verdict, replayed, or a restart: its cache was lost then
         target.index.clear()
     else:  # a kind a newer version publishes
         return False
@@ -177,11 +193,14 @@ class _Peer:
 class SharedState:
     """This instance's side of the shared view: the publisher of its backends and the applier of the others'."""
 
-    def __init__(self, url: str, pool: Pool, registry: CollectorRegistry, instance: str | None = None) -> None:
+    def __init__(self, url: str, pool: Pool, registry: CollectorRegistry, instance: str | None = None,
+                 sessions: Sessions | None = None) -> None:
         self.instance = instance or secrets.token_hex(4)
         self._id = self.instance.encode()
         self._pool = pool
-        self._by_id = {backend_id(b.url): b for b in pool.backends}
+        self._sessions = sessions
+        self._by_id: dict[int, Backend] = {}
+        self._pool_version = -1  # of the pool `_by_id` was built from
         self._redis = aioredis.Redis.from_url(url, socket_timeout=COMMAND_TIMEOUT_S + READ_BLOCK_MS / 1000,
                                               socket_connect_timeout=COMMAND_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
         self._stream, self._loads = KEY_PREFIX + "index", KEY_PREFIX + "load"
@@ -224,6 +243,19 @@ class SharedState:
     def marked_down(self, backend: Backend) -> None:
         self._append(encode_update(DOWN, backend_id(backend.url)))
 
+    def session_visited(self, backend: Backend, key: int, blocks: int, last_hash: int) -> None:
+        self._append(encode_update(SESSION, backend_id(backend.url), (key, blocks, last_hash)))
+
+    def cleared(self, backend: Backend) -> None:
+        self._append(encode_update(CLEARED, backend_id(backend.url)))
+
+    def _backends(self) -> dict[int, Backend]:
+        """The pool's backends by compact id, rebuilt when backends joined or left (discovery, admin API)."""
+        if self._pool_version != self._pool.version:
+            self._by_id = {backend_id(b.url): b for b in self._pool.backends}
+            self._pool_version = self._pool.version
+        return self._by_id
+
     def _append(self, update: bytes) -> None:
         if self._pending_bytes + len(update) > MAX_PENDING_BYTES:
             self._drop(1)
@@ -237,6 +269,7 @@ class SharedState:
 
     async def start(self) -> None:
         """Replay the stream into the indexes (bounded), then share in the background."""
+        self._pool.publisher = self  # for backends added later
         for backend in self._pool.backends:
             backend.publisher = self
         self.warmed_updates = await self._warm()
@@ -313,7 +346,7 @@ class SharedState:
             try:
                 age_s = max(0.0, time.time() - float(fields[b"t"]))
                 for kind, backend, hashes in decode_updates(fields[b"b"]):
-                    applied += apply_update(self._by_id, kind, backend, hashes, age_s)
+                    applied += apply_update(self._backends(), kind, backend, hashes, age_s, self._sessions)
             except (KeyError, ValueError, struct.error) as exc:  # not ours: another program's, or a newer format
                 logger.debug("state store entry %s skipped: %r", self._last_id, exc)
                 continue
@@ -343,7 +376,7 @@ class SharedState:
         updates, oldest_s = self._take_pending()
         self._sequence += 1
         now_s = time.monotonic()
-        mine = encode_load(self._sequence, [(bid, local_load(b, now_s)) for bid, b in self._by_id.items()])
+        mine = encode_load(self._sequence, [(bid, local_load(b, now_s)) for bid, b in self._backends().items()])
         pipe = self._redis.pipeline(transaction=False)
         for entry in _entries(updates):
             pipe.xadd(self._stream, {"i": self._id, "t": repr(oldest_s), "b": entry}, maxlen=STREAM_MAXLEN,
@@ -393,12 +426,12 @@ class SharedState:
             if now_s - peer.changed_s <= LOAD_TTL_S:
                 for bid, load in peer.loads.items():
                     totals[bid] = totals.get(bid, RemoteLoad()) + load
-        for bid, backend in self._by_id.items():
+        for bid, backend in self._backends().items():
             backend.remote = totals.get(bid, RemoteLoad())
 
     def _republish(self) -> None:
         """Queue this instance's whole index: what others missed while the store was gone (or empty)."""
-        for bid, backend in self._by_id.items():
+        for bid, backend in self._backends().items():
             for path in backend.index.paths():
                 self._append(encode_update(PLACED, bid, path))
 
@@ -430,5 +463,6 @@ class LocalState:
         return {"store": None}
 
 
-def shared_state(url: str | None, pool: Pool, registry: CollectorRegistry) -> SharedState | LocalState:
-    return LocalState() if url is None else SharedState(url, pool, registry)
+def shared_state(url: str | None, pool: Pool, registry: CollectorRegistry,
+                 sessions: Sessions | None = None) -> SharedState | LocalState:
+    return LocalState() if url is None else SharedState(url, pool, registry, sessions=sessions)

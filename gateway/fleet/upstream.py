@@ -181,18 +181,18 @@ class UpstreamClient:
         except _TRANSLATED:
             return None
 
-    async def get_status(self, url: str, timeout_s: float) -> tuple[int | None, str]:
-        """The status of a GET (body discarded), or None and why it failed; raises UpstreamFailure (LOCAL) when
+    async def get_status(self, url: str, timeout_s: float) -> tuple[int | None, UpstreamFailure | None]:
+        """The status of a GET (body discarded), or None and how it failed; raises UpstreamFailure (LOCAL) when
         the gateway itself could not try (out of descriptors): that says nothing about the backend."""
         try:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                         allow_redirects=False) as response:
-                return response.status, ""
+                return response.status, None
         except _TRANSLATED as exc:
             failure = _translate(exc, answered=False)
             if failure.failure is Failure.LOCAL:
                 raise failure from exc
-            return None, failure.detail
+            return None, failure
 
 
 def log_ignored_proxy_environment(environ: Mapping[str, str]) -> None:

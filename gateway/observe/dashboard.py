@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from gateway.errors import BadRequest
-from gateway.fleet.backends import Pool
+from gateway.fleet.pool import Pool
 from gateway.observe.metrics import GatewayMetrics
 
 SAMPLE_INTERVAL_S = 0.9  # a little under the page's 1 s poll, so a late poll still samples

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from gateway.fleet.backends import Pool
+from gateway.fleet.pool import Pool
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
@@ -88,11 +88,16 @@ class FastHistogram(Collector):
             child = self._children[values] = Buckets(self.bounds)
         return child
 
+    def forget(self, label: str, value: str) -> None:
+        """Drop the children whose `label` is `value`."""
+        position = self.label_names.index(label)
+        self._children = {values: child for values, child in self._children.items() if values[position] != value}
+
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.label_names)
         for values, child in list(self._children.items()):
             cumulative, total = [], 0
-            for bound, count in zip((*map(floatToGoString, self.bounds), "+Inf"), child.counts):
+            for bound, count in zip((*map(floatToGoString, self.bounds), "+Inf"), child.counts, strict=True):
                 total += count
                 cumulative.append((bound, total))
             family.add_metric(list(values), cumulative, child.sum)
@@ -173,5 +178,27 @@ class GatewayMetrics:
             counter = self._turn_children[key] = self.prefix_turns.labels(*key)
         counter.inc()
 
+    def forget_backend(self, url: str) -> None:
+        """Drop every series labelled with a removed backend's URL: a fleet whose replicas come and go (discovery)
+        would otherwise export a growing set of dead series."""
+        for counter in (self.requests, self.prompt_tokens, self.cached_tokens, self.predicted_cached_tokens,
+                        self.index_corrections, self.upstream_errors, self.prefix_turns):
+            position = counter._labelnames.index("backend")
+            for values in _label_sets(counter):
+                if values[position] == url:
+                    counter.remove(*values)
+        for histogram in (self.upstream_latency, self.upstream_ttfb):
+            histogram.forget("backend", url)
+        self._children = {key: children for key, children in self._children.items() if key[2] != url}
+        self._token_children = {key: counters for key, counters in self._token_children.items() if key[1] != url}
+        self._turn_children = {key: counter for key, counter in self._turn_children.items() if key[1] != url}
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _label_sets(counter: Counter) -> set[tuple[str, ...]]:
+    """The label values of every child of a labelled counter, read from its own exposition."""
+    names = counter._labelnames
+    return {tuple(sample.labels[name] for name in names)
+            for family in counter.collect() for sample in family.samples if sample.name.endswith("_total")}

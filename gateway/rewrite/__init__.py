@@ -54,8 +54,7 @@ Config: the ``[rewrite]`` table (`gateway/rewrite/config.py`). A request opts ou
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gateway.api.prompts import Endpoint
 from gateway.errors import BadRequest
@@ -80,8 +79,7 @@ __all__ = ["Action", "BUILTIN_RULE_NAMES", "MARKER", "OPT_OUT_HEADER", "RewriteC
 OPT_OUT_HEADER = "x-gateway-rewrite"
 
 
-@dataclass(frozen=True)
-class RewriteResult:
+class RewriteResult(NamedTuple):
     body: dict[str, Any] | None   # None: the request goes upstream as it came
     hits: tuple[SpanHit, ...]
 
@@ -102,21 +100,19 @@ def enabled_for(headers: Mapping[str, str]) -> bool:
     raise BadRequest(f"Header {OPT_OUT_HEADER} must be 'on' or 'off' (got {value!r}).", param=OPT_OUT_HEADER)
 
 
-@dataclass(frozen=True)
-class _Slot:
-    """One string of a chat's head: messages[index].content, or its text part ``part``."""
+class _Slot(NamedTuple):
+    """One string of a chat's head: messages[message].content, or its text part ``part``."""
 
-    index: int
+    message: int
     part: int | None
     text: str
     searchable: bool
 
 
-@dataclass(frozen=True)
-class _Host:
+class _Host(NamedTuple):
     """Where a chat's trailer goes; ``part == len(content)`` means a new text part."""
 
-    index: int
+    message: int
     part: int | None
     body: str
     trailer: str
@@ -197,13 +193,14 @@ class Rewriter:
         slots = _chat_head(messages, host)
         texts, moved, hits = self._rewrite_texts([slot.text for slot in slots],
                                                  [slot.searchable for slot in slots], can_move=host is not None)
-        changes = {(slot.index, slot.part): text for slot, text in zip(slots, texts, strict=True) if text != slot.text}
+        changes = {(slot.message, slot.part): text
+                   for slot, text in zip(slots, texts, strict=True) if text != slot.text}
         if not changes:
             return RewriteResult(None, tuple(hits))
         if host is not None:
-            host_body = changes.get((host.index, host.part), host.body)
-            if moved or (host.index, host.part) in changes:
-                changes[(host.index, host.part)] = with_trailer(host_body, host.trailer, moved)
+            host_body = changes.get((host.message, host.part), host.body)
+            if moved or (host.message, host.part) in changes:
+                changes[(host.message, host.part)] = with_trailer(host_body, host.trailer, moved)
         new_body = dict(body)
         new_body["messages"] = _apply(messages, changes, new_part)
         return RewriteResult(new_body, tuple(hits))
@@ -276,7 +273,7 @@ def _chat_head(messages: list[Any], host: _Host | None) -> list[_Slot]:
             list(enumerate(_part_text(part) for part in content)) if isinstance(content, list) else [])
         for part, text in parts:
             if isinstance(text, str):
-                if host is not None and (host.index, host.part) == (index, part):
+                if host is not None and (host.message, host.part) == (index, part):
                     text = host.body  # the trailer of an earlier rewrite is never searched
                 slots.append(_Slot(index, part, text, searchable))
         if role == "user":

@@ -52,6 +52,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 
 class Action(str, Enum):
@@ -160,8 +161,7 @@ class Rule:
     builtin: bool = False   # built-ins obey the gate property below, so they can be scanned sparsely
 
 
-@dataclass(frozen=True)
-class TextRewrite:
+class TextRewrite(NamedTuple):
     """One searched string after one pass: its new text, the spans to move (in order) and every hit."""
 
     text: str
@@ -322,7 +322,7 @@ def with_trailer(body: str, trailer: str, moved: Sequence[str]) -> str:
         return body + trailer
     if not trailer:
         trailer = ("\n\n" if body else "") + MARKER
-    return body + trailer + "".join("\n" + span for span in moved)
+    return "".join([body, trailer, *("\n" + span for span in moved)])  # one copy of a long body, not two
 
 
 def cut(text: str, spans: Sequence[tuple[int, int]]) -> str:

@@ -6,9 +6,11 @@ matching a prompt is one dict probe per block, and two prompts that diverge insi
 different children. Unlike a character-level radix tree there is nothing to split.
 
 Bounded like the engine's own cache: at most `capacity_blocks` nodes. When an insert would exceed it, the least
-recently used *leaf* goes first, as in SGLang's radix cache. A node is always at least as recent as its
-descendants (touching a path touches every node on it), so evicting leaves in LRU order keeps each prefix's
-first blocks longest: the shared system prompt outlives the conversations hanging off it.
+recently used *leaf* goes first, as in SGLang's radix cache. A node's recency is the last use of any prompt
+through it, so a prefix is never older than what continues it, and evicting leaves in LRU order keeps each
+prefix's first blocks longest: the shared system prompt outlives the conversations hanging off it. Only leaves
+are ever compared, so a use marks just the prompt's last block, and a block that leaves hands its recency to
+its parent: an insert costs the blocks it adds and a bisection, not a walk over a long prompt's every block.
 
 Nothing here awaits, so the event loop needs no locks around it.
 """
@@ -22,14 +24,38 @@ from sortedcontainers import SortedList
 
 
 class _Node:
-    __slots__ = ("key", "parent", "children", "last_access", "created")
+    __slots__ = ("key", "parent", "child", "more_children", "last_access", "created")
 
     def __init__(self, key: int, parent: _Node | None, tick: int) -> None:
         self.key = key
         self.parent = parent
-        self.children: set[int] = set()
+        # A prompt's blocks form a chain, so most nodes have one child: it is kept inline, and a set is made only
+        # where prompts branch. A set per node (216 bytes even empty) was two thirds of a block's ~330 bytes.
+        self.child: int | None = None  # None: a leaf (and then `more_children` is None too)
+        self.more_children: set[int] | None = None
         self.last_access = tick
         self.created = tick
+
+    def children(self) -> list[int]:
+        if self.child is None:
+            return []
+        return [self.child] if self.more_children is None else [self.child, *self.more_children]
+
+    def add_child(self, key: int) -> None:
+        if self.child is None:
+            self.child = key
+        elif self.more_children is None:
+            self.more_children = {key}
+        else:
+            self.more_children.add(key)
+
+    def remove_child(self, key: int) -> None:
+        if self.child == key:
+            self.child = self.more_children.pop() if self.more_children else None
+        elif self.more_children is not None:
+            self.more_children.discard(key)
+        if not self.more_children:
+            self.more_children = None
 
 
 class PrefixIndex:
@@ -44,6 +70,7 @@ class PrefixIndex:
         self._nodes: dict[int, _Node] = {}
         self._roots: set[int] = set()
         self._leaves: SortedList = SortedList()  # (last_access, key) of nodes without children
+        self.evicted_blocks = 0  # blocks pushed out by the LRU bound so far: how much newer content came in
 
     @property
     def size_blocks(self) -> int:
@@ -59,18 +86,25 @@ class PrefixIndex:
         self._evict_down_to(self._capacity)
 
     def match(self, hashes: Sequence[int]) -> int:
-        """Number of leading blocks of `hashes` present; does not count as a use."""
-        matched = 0
-        for key in hashes:
-            if key not in self._nodes:
-                break
-            matched += 1
-        return matched
+        """Number of leading blocks of `hashes` present; does not count as a use.
+
+        The blocks present are always a leading run of `hashes`: a block's chained hash names its whole prefix,
+        and the index never holds a block without its parent (it evicts leaves and forgets whole subtrees). So
+        the end of the run is found by bisection, a few dict probes for a prompt of hundreds of blocks."""
+        nodes = self._nodes
+        low, high = 0, len(hashes)  # hashes[:low] are present, hashes[high:] are not
+        while low < high:
+            middle = (low + high) // 2
+            if hashes[middle] in nodes:
+                low = middle + 1
+            else:
+                high = middle
+        return low
 
     def is_leaf(self, key: int) -> bool:
         """Whether block `key` is cached and no cached prompt continues past it."""
         node = self._nodes.get(key)
-        return node is not None and not node.children
+        return node is not None and node.child is None
 
     def created_at(self, key: int) -> int:
         """Clock value at which the block `key` was first inserted (0 when absent)."""
@@ -78,23 +112,18 @@ class PrefixIndex:
         return node.created if node else 0
 
     def insert(self, hashes: Sequence[int]) -> None:
-        """Record that the backend now caches this prompt: add missing blocks, mark the whole path used."""
+        """Record that the backend now caches this prompt: add the blocks it lacks, mark the prompt used."""
         hashes = hashes[: self._capacity]  # a prompt longer than the cache keeps its head, like the engine
         if not hashes:
             return
         tick = self._clock()
-        parent: _Node | None = None
-        for key in hashes:
-            node = self._nodes.get(key)
-            if node is None:
-                node = self._add_child(parent, key, tick)
-            elif not node.children:
-                self._leaves.remove((node.last_access, key))
-                node.last_access = tick
-                self._leaves.add((tick, key))
-            else:
-                node.last_access = tick
-            parent = node
+        present = self.match(hashes)
+        if present == len(hashes):
+            self._touch(self._nodes[hashes[-1]], tick)
+        else:
+            parent = self._nodes[hashes[present - 1]] if present else None
+            for key in hashes[present:]:
+                parent = self._add_child(parent, key, tick)
         self._evict_down_to(self._capacity)
 
     def truncate(self, hashes: Sequence[int], keep_blocks: int) -> int:
@@ -132,16 +161,23 @@ class PrefixIndex:
         if parent is None:
             self._roots.add(key)
         else:
-            if not parent.children:
+            if parent.child is None:
                 self._leaves.remove((parent.last_access, parent.key))
-            parent.children.add(key)
+            parent.add_child(key)
         self._leaves.add((tick, key))
         return node
+
+    def _touch(self, node: _Node, tick: int) -> None:
+        if node.child is None:
+            self._leaves.remove((node.last_access, node.key))
+            self._leaves.add((tick, node.key))
+        node.last_access = tick
 
     def _evict_down_to(self, capacity: int) -> None:
         while len(self._nodes) > capacity:
             _, key = self._leaves[0]
             self._remove_leaf(self._nodes[key])
+            self.evicted_blocks += 1
 
     def _remove_leaf(self, node: _Node) -> None:
         self._leaves.remove((node.last_access, node.key))
@@ -150,8 +186,9 @@ class PrefixIndex:
         if parent is None:
             self._roots.discard(node.key)
             return
-        parent.children.discard(node.key)
-        if not parent.children:
+        parent.remove_child(node.key)
+        parent.last_access = max(parent.last_access, node.last_access)  # its prefix was used that recently
+        if parent.child is None:
             self._leaves.add((parent.last_access, parent.key))
 
     def _remove_subtree(self, top: _Node) -> int:
@@ -161,7 +198,7 @@ class PrefixIndex:
         while stack:  # collect depth-first, then remove children before parents so each is a leaf
             node = stack.pop()
             order.append(node)
-            stack.extend(self._nodes[key] for key in node.children)
+            stack.extend(self._nodes[key] for key in node.children())
         for node in reversed(order):
             self._remove_leaf(node)
             removed += 1
@@ -177,11 +214,11 @@ class PrefixIndex:
                 assert key in self._roots, "root not registered"
             else:
                 assert self._nodes.get(node.parent.key) is node.parent, "orphan node"
-                assert key in node.parent.children
-                assert node.parent.last_access >= node.last_access, "parent older than child"
-            for child in node.children:
+                assert key in node.parent.children()
+            for child in node.children():
                 assert self._nodes[child].parent is node
-            if not node.children:
+            assert node.more_children is None or (node.child is not None and node.more_children), "loose children"
+            if node.child is None:
                 leaves.add((node.last_access, key))
         assert leaves == set(self._leaves), "leaf set out of date"
         assert self._roots == {k for k, n in self._nodes.items() if n.parent is None}

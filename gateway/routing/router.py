@@ -11,12 +11,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from gateway.fleet.backends import Backend, Pool
-from gateway.routing.hashing import block_hashes
+from gateway.fleet.backends import Backend
+from gateway.fleet.pool import Pool
+from gateway.routing.hashing import ROOT_SEED, block_hashes
 from gateway.routing.policies import Decision, PolicyConfig, Route, RoutingRequest
 from gateway.routing.policies.basic import least_loaded
 from gateway.routing.policies.registry import DEFAULT_POLICY, default_config, make_policy
+from gateway.routing.sessions import Sessions, key_hash
 
 # A backend reporting less than this share of the predicted cached tokens has evicted that prefix.
 EVICTION_EVIDENCE_RATIO = 0.5
@@ -28,6 +31,8 @@ class RoutingConfig:
     policy_config: PolicyConfig = field(default_factory=default_config)  # the knobs of `policy`
     block_chars: int = 64
     chars_per_token: float = 4.0
+    session_max_keys: int = 100_000  # session keys remembered (gateway/routing/sessions.py)
+    session_ttl_s: float = 3600.0
 
 
 class Placement:
@@ -113,19 +118,33 @@ class Router:
         self.config = config
         self.policy = make_policy(config.policy, config.policy_config)
         self.default_model = default_model
+        # Kept only for a policy that reads them: under the baselines a key changes nothing.
+        self.sessions = Sessions(config.session_max_keys, config.session_ttl_s) \
+            if config.policy_config.follows_sessions else None
 
-    def routing_request(self, text: str) -> RoutingRequest:
-        return RoutingRequest(block_hashes(text, self.config.block_chars), len(text),
-                              self.config.block_chars, self.config.chars_per_token)
+    def routing_request(self, text: str, model: str | None = None, session: str | None = None) -> RoutingRequest:
+        """The request as policies see it; `session` is the client's session key, if it sent one."""
+        seed = self.pool.model_seeds.get(model, ROOT_SEED) if model else ROOT_SEED  # e.g. a LoRA adapter's own
+        return RoutingRequest(block_hashes(text, self.config.block_chars, seed), len(text),
+                              self.config.block_chars, self.config.chars_per_token,
+                              None if session is None or self.sessions is None else key_hash(session))
 
-    def resolve_model(self, requested: str | None) -> str:
-        return self.pool.resolve_model(requested, self.default_model)
+    def resolve_model(self, requested: str | None, lora_path: Any = None) -> str:
+        return self.pool.resolve_model(requested, self.default_model, lora_path)
 
     def place(self, model: str, request: RoutingRequest, avoid: Sequence[Backend] = ()) -> Placement:
         """Choose a backend for `request`, not one in `avoid` unless no other is left, and reserve it; raises
         NoHealthyBackend when none is healthy."""
         candidates = self.pool.serving(model, exclude=avoid) or self.pool.candidates(model)
-        return self._reserve(self.policy.choose(candidates, request), request)
+        key, sessions = request.session, self.sessions
+        if key is None or sessions is None:
+            return self._reserve(self.policy.choose(candidates, request), request)
+        request = request._replace(last_visit=sessions.last_visit(key))
+        decision = self.policy.choose(candidates, request)
+        visit = request.visit(decision.backend, len(claimed(decision.backend, request.hashes)))
+        sessions.visited(key, visit)  # the key follows its request
+        decision.backend.publisher.session_visited(decision.backend, key, visit.blocks, visit.last_hash)
+        return self._reserve(decision, request)
 
     def place_least_loaded(self, model: str, request: RoutingRequest, avoid: Sequence[Backend] = ()) -> Placement:
         """As `place`, for a request that fills no prefix cache (tokenize, rerank, ...): the policy's view of the
@@ -151,6 +170,11 @@ MAX_RECORD_SHARE = 0.25
 def record(backend: Backend, hashes: Sequence[int]) -> None:
     """Record that the backend will cache this prompt, as much of it as one request may claim, and tell the
     other gateway instances when state is shared."""
-    claimed = hashes[: max(1, int(backend.index.capacity_blocks * MAX_RECORD_SHARE))]
-    backend.index.insert(claimed)
-    backend.publisher.placed(backend, claimed)
+    head = claimed(backend, hashes)
+    backend.index.insert(head)
+    backend.publisher.placed(backend, head)
+
+
+def claimed(backend: Backend, hashes: Sequence[int]) -> Sequence[int]:
+    """The head of a prompt one request may record in the backend's index."""
+    return hashes[: max(1, int(backend.index.capacity_blocks * MAX_RECORD_SHARE))]

@@ -5,6 +5,7 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
     cost(b) = queued_prefill(b) + affinity(b) * uncached(b)
               + active_weight * active_tokens(b) + decode_weight_tokens * in_flight(b)
               + held_weight * affinity(b) * held_tokens(b)    [only when the request starts a new branch on b]
+              - session_weight * affinity(b) * session_tokens(b)    [only with a session key]
 
 - `uncached(b)`: the request's prompt tokens minus those `b` is predicted to hold (its prefix index), i.e. the
   prefill this request would cause there. A conversation therefore follows its own history, not the system
@@ -55,6 +56,19 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   to which each running request adds little: about a few prompt tokens' worth of prefill. A queued prefill, by
   contrast, delays it by all its tokens.
 
+- `session_tokens(b)`: with a session key (`x-session-id`, `prompt_cache_key`, `user`: gateway/api/prompts.py),
+  the tokens of this prompt that `b` computed for the key's last request -- when that request went to `b` and this
+  one continues its prompt (gateway/routing/sessions.py) -- beyond what `b`'s index predicts. One request records
+  at most a quarter of an index, so of a long context (an agent's) the index knows only the head, often a system
+  prompt every conversation shares: the key knows which backend holds the rest. It is believed while `b`'s index
+  still holds the head it recorded, and until that index has evicted, since, as much as the engine keeps for
+  prefixes (`index_kv_share` of its reported KV capacity; a backend that reported none gets no credit): then the
+  engine has evicted the rest too. `session_weight` (default 1, 0 turns keys off) is how far the key is believed.
+  Where the index holds the whole history the term is 0: a key never adds stickiness beyond the cache it stands
+  for, so a key's backend keeps it exactly while a held prefix would keep it (the guard rail below applies as to
+  any request), and when moving pays the key moves and is remembered at its new backend. Without a key, or for a
+  request that does not continue its key's last prompt (a new conversation of the same `user`), nothing changes.
+
 Equal costs go to the backend whose index is emptiest, then by rotation, so new prefixes spread instead of
 piling onto the first backend.
 
@@ -62,7 +76,8 @@ Guard rail, with sglang-router's knobs: a backend more than `balance_abs_thresho
 `balance_rel_threshold` times above the least loaded one is not chosen while another is available. Unlike
 sglang-router's imbalance gate this never throws affinity away fleet-wide: only that backend is skipped.
 `cache_threshold` labels the route: `prefix` when the chosen backend holds the deepest match and it covers at
-least that share of the prompt, `spill` when another backend held more, `least-load` otherwise.
+least that share of the prompt, `spill` when another backend held more, `least-load` otherwise; `session` when the
+backend holds the session key's history beyond what its index predicts.
 
 With shared state (`--state`, `shared_state.py`), the in-flight requests, queued prefill and active tokens of
 the other gateway instances (`Backend.remote`, at most a flush old) count as this instance's own; their queued
@@ -89,6 +104,7 @@ class PrefixAwareConfig(PolicyConfig):
     affinity_weight: float = 4.0
     active_weight: float = 0.15
     held_weight: float = 0.15
+    session_weight: float = 1.0
     metrics_max_age_s: float = 2.0
     # Share of a backend's KV capacity its prefix index models: the engine keeps the rest for running requests,
     # and predicting a hit it already evicted costs more than missing one.
@@ -97,6 +113,10 @@ class PrefixAwareConfig(PolicyConfig):
     @property
     def index_share(self) -> float:
         return self.index_kv_share
+
+    @property
+    def follows_sessions(self) -> bool:
+        return self.session_weight > 0
 
 
 class PrefixAware:
@@ -116,6 +136,8 @@ class PrefixAware:
             route = Route.LEAST_LOAD
         else:
             route = Route.PREFIX if matched == deepest else Route.SPILL
+        if request.last_visit is not None and self.session_blocks(chosen, matched, request) > matched:
+            route = Route.SESSION
         return Decision(chosen, route, matched)
 
     def cost(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> float:
@@ -126,7 +148,13 @@ class PrefixAware:
         cost = (self.queued_prefill(backend, uncached, now_s) + affinity * uncached
                 + config.active_weight * request.block_tokens(backend.active_blocks + backend.remote.active_blocks)
                 + config.decode_weight_tokens * backend.fleet_in_flight)
-        if _starts_branch(backend, matched_blocks, request):
+        continues_session = False
+        if request.last_visit is not None:
+            session_blocks = self.session_blocks(backend, matched_blocks, request)
+            if session_blocks > matched_blocks:  # the session's last prompt, there beyond what the index knows
+                continues_session = True
+                cost -= config.session_weight * affinity * (uncached - request.uncached_tokens(session_blocks))
+        if not continues_session and _starts_branch(backend, matched_blocks, request):
             # A new branch grows into what the cache holds: the fuller it is, the likelier it evicts live histories.
             cost += config.held_weight * affinity * request.block_tokens(backend.index.size_blocks)
         return cost
@@ -137,6 +165,18 @@ class PrefixAware:
         index = backend.index
         fill = min(1.0, (index.size_blocks + len(request.hashes) - matched_blocks) / index.capacity_blocks)
         return 1.0 + (self.config.affinity_weight - 1.0) * fill
+
+    def session_blocks(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> int:
+        """Blocks of the request that `backend` computed for its session's last prompt and probably still holds:
+        while its index still holds the part of that prompt it recorded (the engine keeps what the index does),
+        and until the index has evicted, since, as much as the engine keeps for prefixes (`index_kv_share` of its
+        reported KV capacity): then the rest is gone from the engine too."""
+        blocks, visit = request.session_blocks(backend), request.last_visit
+        if not blocks or visit is None or matched_blocks < visit.recorded_blocks or not backend.capacity_tokens:
+            return 0
+        engine_blocks = backend.capacity_tokens * self.config.index_kv_share * request.chars_per_token \
+            / request.block_chars
+        return blocks if visit.pushed_out() + blocks <= engine_blocks else 0
 
     def queued_prefill(self, backend: Backend, uncached: int, now_s: float) -> float:
         """Our own reserved prefill, plus the engine's queue beyond what we sent (traffic from elsewhere), each
