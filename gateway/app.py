@@ -337,6 +337,9 @@ class Gateway:
             return
         cached.inc(usage.cached_tokens)
         predicted.inc(min(placement.predicted_cached_tokens, usage.prompt_tokens))
+        found = placement.found_prefix(usage.cached_tokens)
+        if found is not None:
+            self.metrics.prefix_turn(exchange.model, placement.backend.url, found)
         if outcome.status < 400 and placement.learn(usage.cached_tokens):
             self.metrics.index_corrections.labels(placement.backend.url).inc()
 

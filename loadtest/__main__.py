@@ -58,9 +58,9 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("scenario", help=f"a preset ({', '.join(list_scenarios())}) or a path to a TOML file")
     run.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
                      help=f"comma-separated gateway policies, one run each (default: {DEFAULT_POLICIES})")
-    run.add_argument("--peer", choices=PEERS, default=None,
-                     help="also run this peer router in front of the same kind of fleet (skipped with a "
-                          "message when not installed; default: none)")
+    run.add_argument("--peer", choices=PEERS, action="append", default=[],
+                     help="also run this peer router (its cache_aware policy) in front of the same kind of fleet; "
+                          "repeatable; skipped with a message when not installed (default: none)")
     run.add_argument("--out", type=Path, default=None, metavar="DIR",
                      help="write results.json, report.md and PNG plots here (default: print the table only)")
     run.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -92,7 +92,8 @@ def add_arrival_arguments(run: argparse.ArgumentParser) -> None:
     load.add_argument("--request-rate", type=float, default=None, metavar="RPS",
                       help="Poisson arrival rate in simulated requests/s (overrides --load)")
     load.add_argument("--max-concurrency", type=int, default=None, metavar="N",
-                      help="cap on requests in flight; given alone (no rate, no --load) it makes a closed loop")
+                      help="cap on requests in flight; given alone (no rate, no --load) it makes a closed loop "
+                           "(default: the scenario's [load] max_concurrency, if any: a closed-loop preset)")
     load.add_argument("--no-stream", action="store_true", help="non-streaming requests (then TTFT = E2E)")
 
 
@@ -100,7 +101,8 @@ def add_fleet_arguments(run: argparse.ArgumentParser) -> None:
     fleet = run.add_argument_group("fleet (defaults from the scenario file)")
     fleet.add_argument("--replicas", type=int, default=None, metavar="N", help="simulated LLM replicas (presets: 4)")
     fleet.add_argument("--kv-capacity-tokens", type=int, default=None, metavar="TOKENS",
-                       help="KV cache capacity per replica in tokens")
+                       help="KV cache capacity of every replica in tokens (replaces a preset's per-replica "
+                            "capacities)")
     fleet.add_argument("--time-scale", type=float, default=None, metavar="S",
                        help="wall seconds per simulated second (presets: 8.0); reported times are wall / S")
     fleet.add_argument("--max-running-requests", type=int, default=None, metavar="N",
@@ -152,16 +154,20 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                   "random_range_ratio": args.random_range_ratio,
                   "session_keys": SessionKeys(args.session_keys) if args.session_keys else None},
         fleet={"replicas": args.replicas, "kv_capacity_tokens": args.kv_capacity_tokens,
+               # one capacity given on the command line is every replica's
+               "replica_kv_capacity_tokens": () if args.kv_capacity_tokens else None,
                "time_scale": args.time_scale, "max_running_requests": args.max_running_requests},
         slo={"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
     )
 
 
 def traffic_from_args(args: argparse.Namespace, scenario: Scenario) -> Traffic:
-    rate = args.request_rate
-    if rate is None and (args.load is not None or args.max_concurrency is None):
+    rate, concurrency = args.request_rate, args.max_concurrency
+    if rate is None and args.load is None and concurrency is None:
+        concurrency = scenario.load.max_concurrency  # a closed-loop preset
+    if rate is None and (args.load is not None or concurrency is None):
         rate = scenario.load.rate(LoadLevel(args.load or LoadLevel.KNEE.value))
-    return Traffic(request_rate=rate, max_concurrency=args.max_concurrency, stream=not args.no_stream)
+    return Traffic(request_rate=rate, max_concurrency=concurrency, stream=not args.no_stream)
 
 
 def command_run(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -172,7 +178,7 @@ def command_run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                                oracle_capacity_tokens=args.oracle_capacity_tokens)]
     else:
         policies = [policy.strip() for policy in args.policies.split(",") if policy.strip()]
-        outcomes = run_policies(scenario, policies, traffic, peer=args.peer, gateway_args=args.gateway_arg,
+        outcomes = run_policies(scenario, policies, traffic, peers=args.peer, gateway_args=args.gateway_arg,
                                 instances=Instances(args.instances, args.state))
     print(print_report(scenario, outcomes))
     if args.out is not None:
@@ -189,13 +195,18 @@ def command_list() -> int:
         w, f = scenario.workload, scenario.fleet
         requests = request_count(generate(w))
         rows.append([name, str(requests), str(working_set_tokens(w)),
-                     f"{f.replicas} x {f.kv_capacity_tokens}", str(f.time_scale),
-                     f"{scenario.load.light:g} / {scenario.load.knee:g} / {scenario.load.overload:g}",
+                     f.describe_capacity(), str(f.time_scale), _arrivals(scenario),
                      scenario.description])
     header = ["scenario", "requests", "working set tok", "fleet KV tok", "time-scale",
               "rate light/knee/overload", "description"]
     print(text_table(header, rows))
     return 0
+
+
+def _arrivals(scenario: Scenario) -> str:
+    load = scenario.load
+    rates = f"{load.light:g} / {load.knee:g} / {load.overload:g}"
+    return f"closed loop {load.max_concurrency} (or {rates})" if load.max_concurrency else rates
 
 
 def overhead_config(args: argparse.Namespace) -> OverheadConfig:

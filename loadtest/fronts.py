@@ -8,36 +8,22 @@ background, and a front that answers /health is not yet one that relays.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import time
 from dataclasses import dataclass
 
 import aiohttp
 import httpx2
 
-from loadtest.runner import sglang_router_installed
+from loadtest.runner import PEERS, SGLANG_ROUTER, SMG, peer_missing
 from loadtest.wrk import CHAT_PATH
-from simulator.fleet import (
-    LOOPBACK,
-    Fleet,
-    FleetError,
-    Process,
-    base_url,
-    env_without_proxies,
-    free_port,
-    start_process,
-)
+from simulator.fleet import Fleet, FleetError
 
 DIRECT = "direct"
-SGLANG_ROUTER = "sglang-router"
-SMG = "smg"
 GATEWAY_ROUND_ROBIN = "gateway-round_robin"
 GATEWAY_PREFIX_AWARE = "gateway-prefix_aware"
 GATEWAY_WORKERS2 = "gateway-prefix_aware-workers2"
 FRONTS = (DIRECT, SGLANG_ROUTER, SMG, GATEWAY_ROUND_ROBIN, GATEWAY_PREFIX_AWARE, GATEWAY_WORKERS2)
 DEFAULT_FRONTS = FRONTS[:-1]
-PEERS = (SGLANG_ROUTER, SMG)
 GATEWAY_ARGS = {
     GATEWAY_ROUND_ROBIN: ["--policy", "round_robin"],
     GATEWAY_PREFIX_AWARE: ["--policy", "prefix_aware"],
@@ -52,19 +38,9 @@ class Front:
     pid: int | None  # the process whose tree is the front's cost; None for direct
 
 
-def smg_installed() -> bool:
-    """The Shepherd Model Gateway package (`pip install smg`). sglang-router 0.3.2 also installs an `smg`
-    command, which is sglang-router itself, so the check is for the `smg` module, run as `-m smg.cli`."""
-    return importlib.util.find_spec("smg") is not None
-
-
 def missing(name: str) -> str | None:
     """Why front `name` cannot run here, or None when it can."""
-    if name == SGLANG_ROUTER and not sglang_router_installed():
-        return "sglang-router is not installed (pip install 'prefix-gateway[bench]')"
-    if name == SMG and not smg_installed():
-        return "smg is not installed (pip install smg)"
-    return None
+    return peer_missing(name) if name in PEERS else None
 
 
 def start_front(fleet: Fleet, name: str, backend: str, probe_body: str) -> Front:
@@ -74,24 +50,13 @@ def start_front(fleet: Fleet, name: str, backend: str, probe_body: str) -> Front
     if name == SGLANG_ROUTER:
         process = fleet.start_sglang_router([backend], policy="round_robin")
     elif name == SMG:
-        process = start_smg(fleet, backend)
+        process = fleet.start_smg([backend], policy="round_robin")
     elif name in GATEWAY_ARGS:
         process = fleet.start_gateway([backend], args=GATEWAY_ARGS[name], name=name)
     else:
         raise ValueError(f"unknown front {name!r}; known: {', '.join(FRONTS)}")
     wait_relaying(process.url, probe_body, name)
     return Front(name, process.url, process.popen.pid)
-
-
-def start_smg(fleet: Fleet, backend: str) -> Process:
-    port, metrics_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "smg.cli", "launch", "--host", LOOPBACK, "--port", str(port),
-            "--worker-urls", backend, "--policy", "round_robin",
-            "--prometheus-host", LOOPBACK, "--prometheus-port", str(metrics_port)]
-    process = start_process(SMG, argv, [base_url(port)], ready_path="/health", env=env_without_proxies(),
-                            timeout_s=120.0)
-    fleet.processes.append(process)
-    return process
 
 
 def wait_relaying(url: str, body: str, name: str, timeout_s: float = 60.0) -> None:

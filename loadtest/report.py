@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.runner import RunOutcome
-from loadtest.scenarios import Scenario
+from loadtest.scenarios import Kind, Popularity, Scenario, Workload
+from loadtest.workload import group_count, prompt_count
 
 COLUMNS = ("policy", "req/s", "out tok/s", "goodput/s", "TTFT p50/p90/p99 s", "TPOT p50/p99 ms",
            "ITL p50/p99 ms", "E2E p50/p99 s", "hit rate", "oracle", "max/mean", "errors")
@@ -57,9 +58,17 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def scenario_line(scenario: Scenario) -> str:
     w, f = scenario.workload, scenario.fleet
-    return (f"{scenario.name}: {scenario.description} | scale {w.scale}, seed {w.seed}, "
-            f"{f.replicas} replicas x {f.kv_capacity_tokens} KV tokens, time-scale {f.time_scale} | "
+    return (f"{scenario.name}: {scenario.description}{_resized(w)} | scale {w.scale}, seed {w.seed}, "
+            f"replicas of {f.describe_capacity()} KV tokens, time-scale {f.time_scale} | "
             f"SLO TTFT <= {scenario.slo.ttft_s} s, TPOT <= {1000 * scenario.slo.tpot_s:.0f} ms")
+
+
+def _resized(w: Workload) -> str:
+    """What --num-prompts made of a shared-prefix workload: its groups shrink with it (`group_count`)."""
+    if w.num_prompts is None or w.kind is Kind.MULTITURN or w.popularity is Popularity.UNIQUE:
+        return ""
+    count = prompt_count(w)
+    return f" (--num-prompts {count}: {group_count(w, count)} of {w.groups} groups)"
 
 
 def print_report(scenario: Scenario, outcomes: Sequence[RunOutcome]) -> str:

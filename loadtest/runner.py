@@ -1,13 +1,15 @@
 """Side-by-side runs: the same seeded request sequence through each policy, each on a fresh fleet.
 
 A fresh fleet per run means every policy starts with cold caches and idle replicas, so no run inherits the
-previous run's cache. The peer (sglang-router) gets the same kind of fleet. `run_target` drives any running
-OpenAI-compatible endpoint instead (a real deployment), where cached tokens come from its responses.
+previous run's cache. The peer routers (sglang-router, smg; both with their cache_aware policy) get the same kind
+of fleet. `run_target` drives any running OpenAI-compatible endpoint instead (a real deployment), where cached
+tokens come from its responses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import re
 import sys
@@ -19,7 +21,7 @@ import httpx2
 from loadtest.client import DriveOptions, DriveResult, drive
 from loadtest.oracle import chat_request, oracle_hit_rate
 from loadtest.progress import Progress
-from loadtest.scenarios import Kind, Scenario
+from loadtest.scenarios import FleetSpec, Kind, Scenario
 from loadtest.sharing import sharing_figures
 from loadtest.stats import RunSummary, summarise
 from loadtest.workload import Conversation, RequestKind, generate, request_count
@@ -28,7 +30,8 @@ from simulator.fleet import Fleet, running_fleet
 logger = logging.getLogger(__name__)
 
 SGLANG_ROUTER = "sglang-router"
-PEERS = (SGLANG_ROUTER,)
+SMG = "smg"
+PEERS = (SGLANG_ROUTER, SMG)
 
 
 @dataclass(frozen=True)
@@ -67,13 +70,34 @@ def sglang_router_installed() -> bool:
     return True
 
 
+def smg_installed() -> bool:
+    """The Shepherd Model Gateway package (`pip install smg`). sglang-router 0.3.2 also installs an `smg`
+    command, which is sglang-router itself, so the check is for the `smg` module, run as `-m smg.cli`."""
+    return importlib.util.find_spec("smg") is not None
+
+
+def peer_missing(peer: str) -> str | None:
+    """Why peer router `peer` cannot run here, or None when it can."""
+    if peer == SGLANG_ROUTER and not sglang_router_installed():
+        return "sglang-router is not installed (pip install 'prefix-gateway[bench]')"
+    if peer == SMG and not smg_installed():
+        return "smg is not installed (pip install smg)"
+    return None
+
+
 def replica_args(scenario: Scenario, *, embedding: bool = False) -> list[str]:
     fleet, workload = scenario.fleet, scenario.workload
     args = ["--model", workload.embedding_model if embedding else workload.model,
-            "--kv-capacity-tokens", str(fleet.kv_capacity_tokens), "--time-scale", str(fleet.time_scale)]
+            "--kv-capacity-tokens", _capacity_arg(fleet, embedding), "--time-scale", str(fleet.time_scale)]
     if fleet.max_running_requests is not None:
         args += ["--max-running-requests", str(fleet.max_running_requests)]
     return [*args, "--embedding"] if embedding else args
+
+
+def _capacity_arg(fleet: FleetSpec, embedding: bool) -> str:
+    if embedding or not fleet.replica_kv_capacity_tokens:
+        return str(fleet.kv_capacity_tokens)
+    return ",".join(map(str, fleet.replica_kv_capacity_tokens))  # one per replica of the process
 
 
 def drive_options(scenario: Scenario, traffic: Traffic, time_scale: float) -> DriveOptions:
@@ -82,26 +106,26 @@ def drive_options(scenario: Scenario, traffic: Traffic, time_scale: float) -> Dr
                         seed=scenario.workload.seed, time_scale=time_scale)
 
 
-def run_policies(scenario: Scenario, policies: Sequence[str], traffic: Traffic, *, peer: str | None = None,
+def run_policies(scenario: Scenario, policies: Sequence[str], traffic: Traffic, *, peers: Sequence[str] = (),
                  gateway_args: Sequence[str] = (), instances: Instances = Instances()) -> list[RunOutcome]:
-    """One run per policy (and one for the peer), in that order; the oracle is computed once, from run one."""
+    """One run per policy (and one per peer router), in that order; the oracle is computed once, from run one."""
     conversations = generate(scenario.workload)
     labels: list[str] = list(policies)
-    if peer is not None:
-        if peer != SGLANG_ROUTER:
+    for peer in peers:
+        if peer not in PEERS:
             raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
-        if sglang_router_installed():
-            labels.append(SGLANG_ROUTER)
+        reason = peer_missing(peer)
+        if reason is None:
+            labels.append(peer)
         else:
-            logger.warning("--peer %s skipped: sglang-router is not installed (pip install 'prefix-gateway[bench]')",
-                           peer)
+            logger.warning("--peer %s skipped: %s", peer, reason)
     outcomes: list[RunOutcome] = []
     oracle: float | None = None
     for label in labels:
         result, counts = _fleet_run(scenario, label, conversations, traffic, gateway_args, instances)
         if oracle is None:
             oracle = scenario_oracle(scenario, result)
-        shown = label if label == SGLANG_ROUTER else instances.label(label)
+        shown = label if label in PEERS else instances.label(label)
         outcomes.append(RunOutcome(summarise(shown, result, time_scale=scenario.fleet.time_scale,
                                              slo=scenario.slo, oracle_hit_rate=oracle, replica_counts=counts),
                                    result))
@@ -117,7 +141,7 @@ def _fleet_run(scenario: Scenario, label: str, conversations: tuple[Conversation
             embed = fleet.start_replicas(scenario.fleet.embedding_replicas,
                                          args=replica_args(scenario, embedding=True), name="embedding-replicas")
             backends += embed.urls
-        state = fleet.start_redis().url if instances.shared and label != SGLANG_ROUTER else None
+        state = fleet.start_redis().url if instances.shared and label not in PEERS else None
         front = _start_front(fleet, label, backends, gateway_args, instances.count, state)
         before = asyncio.run(replica_request_counts(llm.urls))
         progress = Progress(request_count(conversations), f"{scenario.name}/{label}")
@@ -130,11 +154,10 @@ def _fleet_run(scenario: Scenario, label: str, conversations: tuple[Conversation
         if keyed:
             print(f"{label}: {keyed} of {len(result.results)} requests went to a backend their session key vouched "
                   "for beyond its prefix index (route session)", file=sys.stderr)
-        counts = None
-        if label == SGLANG_ROUTER:
-            # sglang-router does not relay x-replica-id; count per replica from the replicas' own counters.
-            after = asyncio.run(replica_request_counts(llm.urls))
-            counts = {url: after.get(url, 0) - before.get(url, 0) for url in llm.urls} if after else None
+        # From the replicas' own counters: the peers do not relay x-replica-id, and a replica that served nothing
+        # sends no header at all (cache_aware with every request on one replica showed max/mean 1.00).
+        after = asyncio.run(replica_request_counts(llm.urls))
+        counts = {url: after.get(url, 0) - before.get(url, 0) for url in llm.urls} if after else None
     return result, counts
 
 
@@ -142,6 +165,8 @@ def _start_front(fleet: Fleet, label: str, backends: list[str], gateway_args: Se
                  state: str | None) -> list[str]:
     if label == SGLANG_ROUTER:
         return [fleet.start_sglang_router(backends, policy="cache_aware").url]
+    if label == SMG:
+        return [fleet.start_smg(backends, policy="cache_aware").url]
     gateways = fleet.start_gateways(count, backends, args=["--policy", label, *gateway_args], state=state)
     return [gateway.url for gateway in gateways]
 
@@ -166,7 +191,7 @@ async def replica_request_counts(urls: Sequence[str]) -> dict[str, int]:
 
 
 def scenario_oracle(scenario: Scenario, result: DriveResult) -> float:
-    capacity = scenario.fleet.kv_capacity_tokens * scenario.fleet.replicas
+    capacity = scenario.fleet.total_kv_capacity_tokens
     chats = [chat_request(sent.messages, sent.answer) for sent in result.sent if sent.kind is RequestKind.CHAT]
     return oracle_hit_rate(chats, capacity).hit_rate
 

@@ -96,15 +96,39 @@ class FleetSpec:
     time_scale: float = 8.0            # wall-clock duration = modelled duration x time_scale
     max_running_requests: int | None = None
     embedding_replicas: int = 0        # mixed-models: size of the embedding pool
+    # A fleet of unequal replicas: one capacity per replica (overrides kv_capacity_tokens); empty = all equal.
+    replica_kv_capacity_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "replica_kv_capacity_tokens", tuple(self.replica_kv_capacity_tokens))
+        if self.replica_kv_capacity_tokens and len(self.replica_kv_capacity_tokens) != self.replicas:
+            raise ValueError(f"[fleet] replica_kv_capacity_tokens has {len(self.replica_kv_capacity_tokens)} "
+                             f"entries for {self.replicas} replicas")
+
+    @property
+    def capacities(self) -> tuple[int, ...]:
+        """KV capacity of each LLM replica, in tokens."""
+        return self.replica_kv_capacity_tokens or (self.kv_capacity_tokens,) * self.replicas
+
+    @property
+    def total_kv_capacity_tokens(self) -> int:
+        return sum(self.capacities)
+
+    def describe_capacity(self) -> str:
+        if self.replica_kv_capacity_tokens:
+            return " + ".join(map(str, self.replica_kv_capacity_tokens))
+        return f"{self.replicas} x {self.kv_capacity_tokens}"
 
 
 @dataclass(frozen=True)
 class LoadRates:
-    """Poisson arrival rates in simulated requests/s (conversation starts for multiturn)."""
+    """Poisson arrival rates in simulated requests/s (conversation starts for multiturn), or a closed loop."""
 
     light: float = 1.0
     knee: float = 4.0
     overload: float = 8.0
+    # Closed loop: this many requests in flight, used when neither --load nor --request-rate is given.
+    max_concurrency: int | None = None
 
     def rate(self, level: LoadLevel) -> float:
         return float(getattr(self, level.value))

@@ -72,10 +72,20 @@ def prompt_count(workload: Workload) -> int:
     return workload.groups * workload.prompts_per_group
 
 
+def group_count(workload: Workload, count: int) -> int:
+    """Distinct groups among `count` requests: the scenario's, or fewer when `num_prompts` asks for fewer requests
+    than groups x prompts per group, so that a group keeps its prompts (12 prompts over 64 groups would share
+    nothing, and a quick run would show no policy's effect)."""
+    groups = max(1, workload.groups)
+    if workload.num_prompts is None:
+        return groups
+    return max(1, min(groups, round(count / max(1, workload.prompts_per_group))))
+
+
 def group_sequence(workload: Workload, count: int) -> list[int]:
     """Which group each of `count` requests belongs to, in arrival order."""
     rng = seeded(workload.seed, "groups")
-    groups = max(1, workload.groups)
+    groups = group_count(workload, count)
     if workload.popularity is Popularity.UNIQUE:
         return list(range(count))
     if workload.popularity is Popularity.ZIPF:

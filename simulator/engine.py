@@ -99,6 +99,7 @@ class EngineStats:
     cached_tokens_total: int
     generation_tokens_total: int
     aborted_total: int = 0      # requests dropped before their end because their client went away
+    requests_total: int = 0     # requests admitted since start
 
 
 class RequestTooLarge(ValueError):
@@ -191,6 +192,7 @@ class Engine:
         self._cached_tokens_total = 0
         self._generation_tokens_total = 0
         self._aborted_total = 0
+        self._requests_total = 0
         self._namespaces: dict[str, int] = {}
 
     def start(self) -> None:
@@ -258,7 +260,8 @@ class Engine:
             token_usage=min(1.0, running_tokens / self.config.kv_capacity_tokens),
             cache_hit_rate=self._cached_tokens_total / prompt_total if prompt_total else 0.0,
             prompt_tokens_total=prompt_total, cached_tokens_total=self._cached_tokens_total,
-            generation_tokens_total=self._generation_tokens_total, aborted_total=self._aborted_total)
+            generation_tokens_total=self._generation_tokens_total, aborted_total=self._aborted_total,
+            requests_total=self._requests_total)
 
     async def _loop(self) -> None:
         while True:
@@ -304,6 +307,7 @@ class Engine:
         gen.reserved_tokens = need
         self._reserved_tokens += need
         self._prompt_tokens_total += len(gen.prompt_tokens)
+        self._requests_total += 1
         self._cached_tokens_total += cached
         self._prefilling.append(gen)
         self._fit_cache()

@@ -1,4 +1,4 @@
-"""Start and stop the processes of a test or benchmark fleet: simulated replicas, the gateway, sglang-router.
+"""Start and stop the processes of a test or benchmark fleet: simulated replicas, the gateway, sglang-router, smg.
 
 Shared by the end-to-end tests, the load-test runner and `prefix-gateway demo`, so all three start real
 processes on loopback the same way: free ports, a bounded wait for readiness, and a stop that never leaves a
@@ -251,6 +251,18 @@ class Fleet:
                 "--worker-urls", *backends, *args]
         process = start_process("sglang-router", argv, [base_url(port)], ready_path="/readiness",
                                 env=env_without_proxies(), timeout_s=120.0)
+        self.processes.append(process)
+        return process
+
+    def start_smg(self, backends: Sequence[str], *, policy: str = "cache_aware") -> Process:
+        """The Shepherd Model Gateway (`pip install smg`) in front of `backends`, run as `-m smg.cli`: sglang-router
+        also installs an `smg` command, which is sglang-router itself."""
+        port, metrics_port = free_port(), free_port()
+        argv = [sys.executable, "-m", "smg.cli", "launch", "--host", LOOPBACK, "--port", str(port),
+                "--worker-urls", *backends, "--policy", policy,
+                "--prometheus-host", LOOPBACK, "--prometheus-port", str(metrics_port)]
+        process = start_process("smg", argv, [base_url(port)], ready_path="/health", env=env_without_proxies(),
+                                timeout_s=120.0)
         self.processes.append(process)
         return process
 

@@ -97,6 +97,8 @@ class _EngineCollector(Collector):
             ("sglang:prompt_tokens", CounterMetricFamily, stats.prompt_tokens_total, "Prompt tokens"),
             ("sglang:generation_tokens", CounterMetricFamily, stats.generation_tokens_total, "Generated tokens"),
             ("sglang:cached_tokens", CounterMetricFamily, stats.cached_tokens_total, "Prompt tokens from cache"),
+            # Requests per replica behind a router that does not relay x-replica-id (loadtest/runner.py).
+            ("sglang:num_requests", CounterMetricFamily, stats.requests_total, "Requests admitted"),
             # The simulator's own (tests read it): requests aborted because their client went away.
             ("replica:aborted_requests", CounterMetricFamily, stats.aborted_total, "Requests aborted"),
         ):
@@ -448,6 +450,14 @@ def _ports(text: str) -> list[int]:
     return ports
 
 
+def _capacities(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()] or [0]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--kv-capacity-tokens must be comma-separated integers, got {text!r}") \
+            from None
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
@@ -463,8 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ports", type=_ports, default=None, help="comma-separated ports: one independent replica per port, "
         "all in this process (overrides --port)")
     add("--model", default="sim-llama-8b", help="model name served and reported")
-    add("--kv-capacity-tokens", type=int, default=defaults.kv_capacity_tokens,
-        help="KV pool size in tokens (max_total_num_tokens); bounds the prefix cache and running requests")
+    add("--kv-capacity-tokens", type=_capacities, default=str(defaults.kv_capacity_tokens),
+        help="KV pool size in tokens (max_total_num_tokens); bounds the prefix cache and running requests. "
+        "Comma-separated: one per --ports entry, for a fleet of unequal replicas")
     add("--max-running-requests", type=int, default=defaults.max_running_requests,
         help="requests decoded concurrently; more wait in the queue")
     add("--context-length", type=int, default=defaults.max_context_tokens,
@@ -492,15 +503,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configs_from_args(args: argparse.Namespace) -> list[ReplicaConfig]:
-    engine = EngineConfig(kv_capacity_tokens=args.kv_capacity_tokens, max_running_requests=args.max_running_requests,
-                          max_context_tokens=args.context_length, time_scale=args.time_scale)
+    ports = args.ports or [args.port]
+    capacities = args.kv_capacity_tokens
+    if len(capacities) == 1:
+        capacities = capacities * len(ports)
+    elif len(capacities) != len(ports):
+        raise ValueError(f"--kv-capacity-tokens gives {len(capacities)} capacities for {len(ports)} ports")
     faults = FaultSettings(error_rate=args.error_rate, latency_ms=args.latency_ms, hang=args.hang,
                            drop_after_chunks=args.drop_after_chunks, unhealthy_for_s=args.unhealthy_for_s)
-    ports = args.ports or [args.port]
-    return [ReplicaConfig(port=port, host=args.host, model=args.model, engine=engine, embedding=args.embedding,
-                          embedding_dim=args.embedding_dim, lora_adapters=args.lora_adapters, faults=faults,
-                          seed=args.seed + index)
-            for index, port in enumerate(ports)]
+    return [ReplicaConfig(port=port, host=args.host, model=args.model, engine=_engine_config(args, capacity),
+                          embedding=args.embedding, embedding_dim=args.embedding_dim,
+                          lora_adapters=args.lora_adapters, faults=faults, seed=args.seed + index)
+            for index, (port, capacity) in enumerate(zip(ports, capacities, strict=True))]
+
+
+def _engine_config(args: argparse.Namespace, kv_capacity_tokens: int) -> EngineConfig:
+    return EngineConfig(kv_capacity_tokens=kv_capacity_tokens, max_running_requests=args.max_running_requests,
+                        max_context_tokens=args.context_length, time_scale=args.time_scale)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

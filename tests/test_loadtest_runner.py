@@ -81,7 +81,7 @@ def test_an_idle_session_sends_its_next_turn_only_after_its_pause() -> None:
 def test_peer_runs_on_the_same_kind_of_fleet() -> None:
     scenario = tiny_scenario()
     scenario = replace(scenario, workload=replace(scenario.workload, num_prompts=8))
-    outcomes = run_policies(scenario, [], Traffic(request_rate=None, max_concurrency=4), peer="sglang-router")
+    outcomes = run_policies(scenario, [], Traffic(request_rate=None, max_concurrency=4), peers=["sglang-router"])
     assert [o.summary.label for o in outcomes] == ["sglang-router"]
     assert outcomes[0].summary.errors == 0 and sum(outcomes[0].summary.requests_per_replica.values()) == 8
 

@@ -8,7 +8,9 @@ from dataclasses import replace
 
 import pytest
 
+from loadtest.__main__ import build_parser, scenario_from_args, traffic_from_args
 from loadtest.client import _name_session
+from loadtest.runner import Traffic, replica_args
 from loadtest.scenarios import Kind, Popularity, SessionKeys, Workload, list_scenarios, load_scenario, parse_scenario
 from loadtest.textgen import draw_length, words_text
 from loadtest.workload import RequestKind, generate, request_count, working_set_tokens
@@ -31,8 +33,47 @@ def test_every_preset_loads_and_its_working_set_fits_the_fleet_but_not_one_repli
         assert scenario.source and scenario.description
         working_set = working_set_tokens(scenario.workload)
         if working_set:
-            assert scenario.fleet.kv_capacity_tokens < working_set <= scenario.fleet.replicas * \
-                scenario.fleet.kv_capacity_tokens, name
+            assert max(scenario.fleet.capacities) < working_set <= scenario.fleet.total_kv_capacity_tokens, name
+
+
+def test_tight_presets_fill_most_of_the_fleet_with_live_histories() -> None:
+    for name in ("tight", "tight-poisson", "tight-unequal"):
+        scenario = load_scenario(name)
+        fill = working_set_tokens(scenario.workload) / scenario.fleet.total_kv_capacity_tokens
+        assert 0.7 <= fill <= 1.0, (name, fill)
+    assert load_scenario("tight").load.max_concurrency == 24
+    assert load_scenario("tight-poisson").load.max_concurrency is None
+    assert len(set(load_scenario("tight-unequal").fleet.capacities)) == 4
+
+
+def test_a_closed_loop_preset_runs_closed_unless_a_rate_or_load_is_asked_for() -> None:
+    def traffic(*flags: str) -> Traffic:
+        args = build_parser().parse_args(["run", "tight", *flags])
+        return traffic_from_args(args, scenario_from_args(args))
+    assert traffic() == Traffic(request_rate=None, max_concurrency=24)
+    assert traffic("--max-concurrency", "8").max_concurrency == 8
+    assert traffic("--load", "light") == Traffic(request_rate=40.0, max_concurrency=None)
+
+
+def test_unequal_replicas_take_one_capacity_each_and_the_count_must_match() -> None:
+    unequal = {"replicas": 2, "replica_kv_capacity_tokens": [10, 30]}
+    fleet = parse_scenario({"kind": "multiturn", "fleet": unequal}).fleet
+    assert fleet.capacities == (10, 30) and fleet.total_kv_capacity_tokens == 40
+    assert replica_args(replace(load_scenario("tight-unequal"), fleet=fleet))[3] == "10,30"
+    with pytest.raises(ValueError, match="replica_kv_capacity_tokens"):
+        parse_scenario({"kind": "multiturn", "fleet": {"replicas": 3, "replica_kv_capacity_tokens": [10, 30]}})
+
+
+def test_one_capacity_on_the_command_line_is_every_replicas() -> None:
+    args = build_parser().parse_args(["run", "tight-unequal", "--kv-capacity-tokens", "5000"])
+    assert scenario_from_args(args).fleet.capacities == (5000,) * 4
+
+
+def test_few_prompts_keep_their_prompts_per_group_so_a_quick_run_still_shares() -> None:
+    workload = replace(load_scenario("shared-prefix").workload, num_prompts=40)
+    counts = Counter(c.group for c in generate(workload))
+    assert len(counts) == 2 and set(counts.values()) == {20}
+    assert len({c.group for c in generate(replace(workload, num_prompts=None))}) == 64
 
 
 def test_unknown_keys_are_named() -> None:

@@ -37,6 +37,7 @@ def exported_names() -> set[str]:
     for counter in (metrics.prompt_tokens, metrics.cached_tokens, metrics.predicted_cached_tokens):
         counter.labels("m", backend).inc(10)
     metrics.index_corrections.labels(backend).inc()
+    metrics.prefix_turn("m", backend, found=True)
     metrics.upstream_errors.labels(backend, "timeout").inc()
     metrics.rewritten_spans.labels("uuid", "move").inc()
     families = text_string_to_metric_families(metrics.render().decode())

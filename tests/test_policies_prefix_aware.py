@@ -55,20 +55,62 @@ def test_new_conversations_behind_a_shared_system_prompt_spread() -> None:
     assert set(chosen) == {b.url for b in backends}
 
 
+def fill_with_other_prefixes(backends: list[Backend]) -> None:
+    for number, backend in enumerate(backends):
+        start = 1_000_000 * (number + 1)
+        backend.index.insert(list(range(start, start + backend.index.capacity_blocks)))
+
+
 def test_hot_prefix_spills_when_its_owner_saturates_and_stays_otherwise() -> None:
-    backends = make_backends(3)
+    backends = make_backends(3, capacity_blocks=400)
+    fill_with_other_prefixes(backends[1:])  # a copy elsewhere would evict other prefixes
     hot = text("hot tenant prompt", 6000)
     backends[0].index.insert(request(hot).hashes)
     chooser = policy()
     backends[0].backlog.add(3000, time.monotonic())  # queued: under 4x the 1,500 tokens it saves, sticky
     assert chooser.choose(backends, request(hot + "q1")).backend is backends[0]
-    backends[0].backlog.add(6000, time.monotonic())  # saturated: replicate elsewhere
+    backends[0].backlog.add(9000, time.monotonic())  # saturated: replicate elsewhere
     spilled = chooser.choose(backends, request(hot + "q2"))
     assert spilled.backend is not backends[0] and spilled.route is Route.SPILL
     spilled.backend.index.insert(request(hot + "q2").hashes)
     # Two owners now: the less loaded one takes the next request, with affinity.
     again = chooser.choose(backends, request(hot + "q3"))
     assert again.backend is spilled.backend and again.route is Route.PREFIX
+
+
+def test_hot_prefix_is_copied_sooner_onto_a_backend_with_room_to_spare() -> None:
+    backends = make_backends(3, capacity_blocks=400)
+    hot = text("hot tenant prompt", 6000)
+    backends[0].index.insert(request(hot).hashes)
+    backends[0].backlog.add(3000, time.monotonic())  # twice the 1,500 tokens it saves: a copy evicts nothing
+    decision = policy().choose(backends, request(hot + "q1"))
+    assert decision.backend is not backends[0] and decision.route is Route.SPILL
+
+
+def test_conversations_spread_over_empty_caches_though_one_backend_holds_the_system_prompt() -> None:
+    # Issue #20: histories that will fill the fleet must be partitioned while the caches are still empty; piling
+    # the first conversations onto the system prompt's holder overflows its cache a few turns later.
+    # Copying the system prompt onto an empty backend costs its prefill once, not four times (it evicts nothing).
+    backends = make_backends(4, capacity_blocks=1000)
+    system = text("tight system prompt", 1200)
+    backends[0].index.insert(request(system).hashes)
+    chooser = policy()
+    counts = {b.url: 0 for b in backends}
+    for i in range(16):  # a burst of first turns: each stays reserved, in flight
+        prompt = request(system + text(f"user {i} opens a conversation", 300))
+        counts[Placement(chooser.choose(backends, prompt), prompt).backend.url] += 1
+    assert min(counts.values()) >= 2, counts  # with a full cache's weight everywhere: 13, 1, 1, 1
+
+
+def test_new_conversation_leaves_a_nearly_full_cache_for_an_empty_one_despite_the_system_prompt() -> None:
+    # Issue #20 at light load: conversations arrive one by one, and their histories will fill the cache they
+    # settle in. A nearly full cache evicts live histories to take one more; an empty one only prefills.
+    backends = make_backends(2, capacity_blocks=400)
+    for i in range(6):
+        backends[0].index.insert(request(SYSTEM + text(f"history {i}", 3500)).hashes)
+    assert backends[0].index.size_blocks > 0.85 * backends[0].index.capacity_blocks
+    decision = policy().choose(backends, request(SYSTEM + text("a new user", 400)))
+    assert decision.backend is backends[1]
 
 
 def test_cold_prefixes_spread_to_the_emptiest_backend_instead_of_the_first() -> None:

@@ -159,7 +159,7 @@ def test_info_endpoints_have_what_routers_read(sdk: MakeClient, replicas: Proces
 def test_metrics_use_sglang_names_with_model_label(replicas: Process, http: httpx2.Client) -> None:
     text = http.get(replicas.url + "/metrics").text
     for name in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate", "prompt_tokens_total",
-                 "generation_tokens_total", "cached_tokens_total"):
+                 "generation_tokens_total", "cached_tokens_total", "num_requests_total"):
         assert f'sglang:{name}{{model_name="sim-test"}}' in text
 
 
@@ -272,3 +272,15 @@ def test_help_documents_every_flag() -> None:
                  "--drop-after-chunks", "--unhealthy-for-s", "--log-level"):
         assert flag in out
     assert "(default: 400000)" in out and "(default: 1.0)" in out
+
+
+def test_replicas_of_one_process_take_one_kv_capacity_each_or_all_the_same() -> None:
+    from simulator.replica import build_parser, configs_from_args
+
+    def capacities(*argv: str) -> list[int]:
+        return [c.engine.kv_capacity_tokens for c in configs_from_args(build_parser().parse_args(list(argv)))]
+    assert capacities("--ports", "1,2,3", "--kv-capacity-tokens", "3000,4500,9000") == [3000, 4500, 9000]
+    assert capacities("--ports", "1,2", "--kv-capacity-tokens", "6000") == [6000, 6000]
+    assert capacities("--port", "1") == [400_000]
+    with pytest.raises(ValueError, match="2 capacities for 3 ports"):
+        capacities("--ports", "1,2,3", "--kv-capacity-tokens", "1,2")

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import time
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from gateway.api.prompts import Endpoint
 from gateway.api.relay import Outcome
+from gateway.api.usage import Usage
 from gateway.app import Exchange, Gateway
 from gateway.config import GatewayConfig
 from gateway.fleet.backends import BackendSpec
 from gateway.fleet.pool import Pool
+from gateway.routing.policies import Decision, Route
 from gateway.routing.prefix_index import MAX_RECORD_SHARE
-from gateway.routing.router import Router
+from gateway.routing.router import Placement, Router
 from tests.policy_fixtures import text
 
 SYSTEM = text("You are a helpful assistant.", 1000)
@@ -61,3 +65,32 @@ def test_one_request_claims_at_most_a_quarter_of_an_index() -> None:
     assert index.match(giant.hashes) == int(100 * MAX_RECORD_SHARE)  # its head, which is what matches
     assert all(index.match(c.hashes) == len(c.hashes) for c in conversations)
     index.check_invariants()
+
+
+def prefix_turns(subject: Gateway) -> dict[str, float]:
+    families = text_string_to_metric_families(subject.metrics.render().decode())
+    return {sample.labels["found"]: sample.value for family in families for sample in family.samples
+            if sample.name == "gateway_prefix_turns_total"}
+
+
+def answered(subject: Gateway, prompt: str, cached_tokens: int) -> None:
+    placement = subject.router.place("m", subject.router.routing_request(prompt))
+    exchange = Exchange(Endpoint.CHAT, "POST", "/v1/chat/completions", {}, b"{}", "m", False, "id", time.monotonic())
+    subject.record(placement, exchange, Outcome(status=200, usage=Usage(len(prompt) // 4, cached_tokens)))
+
+
+def test_turns_routed_for_a_held_history_count_whether_their_backend_still_had_it() -> None:
+    subject = gateway()
+    history = SYSTEM + text("user: my order is late", 800)
+    answered(subject, history, 0)  # a first prompt is routed for nothing held: not a turn
+    assert prefix_turns(subject) == {}
+    answered(subject, history + text("next question", 200), 400)  # found its 450-token history
+    answered(subject, history + text("another question", 200), 0)  # the engine had evicted it
+    assert prefix_turns(subject) == {"true": 1.0, "false": 1.0}
+
+
+def test_a_spilled_turn_did_not_find_its_prefix_and_a_cold_one_is_not_a_turn() -> None:
+    subject = gateway()
+    backend, routing = subject.pool.backends[0], subject.router.routing_request(SYSTEM)
+    assert Placement(Decision(backend, Route.SPILL, 3), routing).found_prefix(10_000) is False
+    assert Placement(Decision(backend, Route.LEAST_LOAD, 0), routing).found_prefix(0) is None

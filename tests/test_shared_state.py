@@ -127,6 +127,7 @@ def test_the_router_publishes_placements_corrections_and_down_verdicts() -> None
     router = Router(pool, RoutingConfig(policy="prefix_aware"))
     prompt = router.routing_request(text("a long system prompt", 4000))
     placement = router.place("m", prompt)
+    placement.first_byte()  # its prefill done: the same prompt returns to its holder, not a copy on an empty cache
     url, blocks = placement.backend.url, len(prompt.hashes)
     router.place("m", prompt).learn(reported_cached_tokens=0)  # the backend had evicted it all
     longer = router.routing_request(text("a long system prompt", 4000) + " and more" * 100)

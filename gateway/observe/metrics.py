@@ -3,6 +3,8 @@
 The fleet's actual cache-hit rate is one PromQL division:
     sum(rate(gateway_cached_tokens_total[5m])) / sum(rate(gateway_prompt_tokens_total[5m]))
 and the index's accuracy another: `gateway_predicted_cached_tokens_total` over `gateway_cached_tokens_total`.
+Per backend, the share of requests routed for a cached prefix that found it there (issue #20: conversations
+whose histories were evicted or moved) is `gateway_prefix_turns_total{found="true"}` over all of them.
 Backend state (health, in-flight, index size) is read from the pool at scrape time, never copied.
 """
 
@@ -129,10 +131,15 @@ class GatewayMetrics:
         self.index_corrections = Counter("gateway_index_corrections",
                                          "Times a backend reported far fewer cached tokens than predicted and the "
                                          "index forgot the evicted part", ["backend"], registry=self.registry)
+        self.prefix_turns = Counter("gateway_prefix_turns", "Requests routed for a prompt prefix the fleet was "
+                                    "predicted to hold (routes prefix and spill: a conversation's next turn, a "
+                                    "question behind a cached document), by whether their backend reported it "
+                                    "cached", ["model", "backend", "found"], registry=self.registry)
         self.upstream_errors = Counter("gateway_upstream_errors", "Failed exchanges with a backend, by kind",
                                        ["backend", "kind"], registry=self.registry)
         self._children: dict[tuple[str, ...], tuple[Any, Buckets, Buckets, Buckets]] = {}
         self._token_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        self._turn_children: dict[tuple[str, str, str], Any] = {}
         self.rewritten_spans = Counter("gateway_rewrite_spans", "Volatile spans found near the prompt start",
                                        ["rule", "action"], registry=self.registry)
 
@@ -164,15 +171,23 @@ class GatewayMetrics:
                                                     self.predicted_cached_tokens.labels(*key))
         return counters
 
+    def prefix_turn(self, model: str, backend: str, found: bool) -> None:
+        key = (model, backend, "true" if found else "false")
+        counter = self._turn_children.get(key)
+        if counter is None:
+            counter = self._turn_children[key] = self.prefix_turns.labels(*key)
+        counter.inc()
+
     def forget_backend(self, url: str) -> None:
         """Drop every series labelled with a removed backend's URL: a fleet whose replicas come and go (discovery)
         would otherwise export a growing set of dead series."""
         _forget((self.requests, self.prompt_tokens, self.cached_tokens, self.predicted_cached_tokens,
-                 self.index_corrections, self.upstream_errors), "backend", url)
+                 self.index_corrections, self.upstream_errors, self.prefix_turns), "backend", url)
         for histogram in (self.upstream_latency, self.upstream_ttfb):
             histogram.forget("backend", url)
         self._children = {key: children for key, children in self._children.items() if key[2] != url}
         self._token_children = {key: counters for key, counters in self._token_children.items() if key[1] != url}
+        self._turn_children = {key: counter for key, counter in self._turn_children.items() if key[1] != url}
 
     def forget_models(self, models: set[str]) -> None:
         """Drop every series labelled with a model no backend serves any more (`Pool.models_gone`): LoRA adapters

@@ -81,6 +81,17 @@ class Placement:
         record(backend, request.hashes)
         return forgotten > 0
 
+    def found_prefix(self, reported_cached_tokens: int) -> bool | None:
+        """Whether a request routed for a prefix the fleet holds (a conversation's next turn, a question behind a
+        cached document) found it where it went: at least half the tokens predicted there, as `learn` judges
+        eviction. A spill left the deepest holder, so it did not. None for a request not routed for a prefix."""
+        route = self.decision.route
+        if route is Route.SPILL:
+            return False
+        if route is not Route.PREFIX:
+            return None
+        return reported_cached_tokens >= self.predicted_cached_tokens * EVICTION_EVIDENCE_RATIO
+
     def unrecord(self) -> None:
         """The request never reached the engine, or the engine rejected it (4xx/5xx): forget the part of its
         prompt the index recorded at decision time, so later requests behind it are not sent here for a hit that

@@ -2,19 +2,25 @@
 
 Every healthy backend gets a cost in prompt tokens; the cheapest wins:
 
-    cost(b) = queued_prefill(b) + affinity_weight * uncached(b)
+    cost(b) = queued_prefill(b) + affinity(b) * uncached(b)
               + active_weight * active_tokens(b) + decode_weight_tokens * in_flight(b)
-              + held_weight * held_tokens(b)        [only when the request starts a new branch on b]
-              - session_weight * affinity_weight * session_tokens(b)    [only with a session key]
+              + held_weight * affinity(b) * held_tokens(b)    [only when the request starts a new branch on b]
+              - session_weight * affinity(b) * session_tokens(b)    [only with a session key]
 
 - `uncached(b)`: the request's prompt tokens minus those `b` is predicted to hold (its prefix index), i.e. the
   prefill this request would cause there. A conversation therefore follows its own history, not the system
   prompt every backend holds: only the backend its earlier turns went to holds the history.
-- `affinity_weight` (default 4) makes recomputation dearer than waiting: uncached tokens cost the backend
-  prefill time *and* evict other prefixes from its cache. So a prefix stays on its holder ("sticky") until the
-  holder's queue exceeds about four times the prefill it saves, then it is replicated onto the next backend
-  (route `spill`), which holds it from then on. A hot prefix spreads over as many backends as its traffic
-  needs.
+- `affinity(b)` makes recomputation dearer than waiting: uncached tokens cost the backend prefill time *and*
+  evict other prefixes from its cache. The second part is only as large as `b`'s cache is full once the request
+  is recorded there (`fill`, its index's size over its bound): `affinity(b) = 1 + (affinity_weight - 1) * fill`,
+  so 1 on an empty cache and `affinity_weight` (default 4) on a full one. So a prefix stays on its holder
+  ("sticky") until the holder's queue exceeds about four times the prefill it saves, then it is replicated onto
+  the next backend (route `spill`), which holds it from then on; a hot prefix spreads over as many backends as
+  its traffic needs. While other caches have room a copy evicts nothing and costs only its prefill, so the
+  prefix spreads sooner: this is what partitions conversations behind one system prompt while the caches are
+  still empty, before their histories grow to fill them (issue #20: charged four times its 300 tokens
+  everywhere, the system prompt kept three replicas taking 40 conversations whose histories then overflowed
+  their caches, while the fourth served 7% of the turns).
 - `queued_prefill(b)`: uncached prompt tokens of requests sent to `b` that have not produced a first byte yet
   (reserved at decision time, so a burst sees its own placements), less the progress `b` has probably made on
   the oldest of them at the prefill rate it has shown (`gateway/routing/backlog.py`): in a burst that keeps every
@@ -29,18 +35,22 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   another sits idle -- sglang-router's failure on multi-turn chat. A request that shares its running
   neighbours' prefix adds little, so a group of one-shot requests behind one long document still stays
   together. At light load few requests run at once, so this term alone is too weak: see `held_tokens`.
-- `held_tokens(b)`: the tokens `b`'s prefix index holds, weighted by `held_weight` (default 0.15), counted only
-  when the request would start a new branch in `b`'s cache: a cold prompt, or a new conversation or question
-  off a prefix others share there (its match ends where another cached prompt continues). This is where
-  conversations settle *between* turns, which the active-token term cannot see: without it, at light load
-  first turns stay with the system prompt's first holders and a few replicas take every conversation. A request
-  that continues a prompt `b` holds (its match ends at a leaf:
-  a conversation's next turn) is not charged, so a conversation never leaves its history because its backend
-  is full of others. The index is LRU-bounded like the engine's cache, so once every backend is full the term
-  is equal everywhere and the other terms decide; a question behind a long shared document leaves the
-  document's holder only when it holds about `affinity_weight / held_weight` (27) times the document's length
-  more than another backend. It counts tokens, not the share of the cache: in a fleet of unequal caches the
-  larger ones get fewer new conversations than their size would allow.
+- `held_tokens(b)`: the tokens `b`'s prefix index holds, weighted by `held_weight` (default 0.15) and by
+  `affinity(b)`, counted only when the request would start a new branch in `b`'s cache: a cold prompt, or a new
+  conversation or question off a prefix others share there (its match ends where another cached prompt
+  continues). This is where conversations settle *between* turns, which the active-token term cannot see:
+  without it, at light load first turns stay with the system prompt's first holders and a few replicas take
+  every conversation. A new branch grows into what the cache holds, so the fuller the cache, the likelier it
+  evicts histories still in use: hence `affinity(b)`. Unweighted by it, conversations arriving one by one behind
+  a system prompt (`tight-poisson` at light load) settled 35/39/80/86 turns per replica and 29 turns found
+  their history evicted; weighted, 49/54/65/72 and 20. A request that continues a prompt `b` holds (its match
+  ends at a leaf: a conversation's next turn) is not charged, so a conversation never leaves its history
+  because its backend is full of others. The index is LRU-bounded like the engine's cache, so once every
+  backend is full the term is equal everywhere and the other terms decide; a question behind a long shared
+  document leaves the document's holder only when it holds about `1 / held_weight` (7) times the document's
+  length more than another backend as full. It counts tokens, not the share of the cache: in a fleet of unequal
+  caches the larger ones get fewer new conversations than their size would allow, except as `affinity(b)`
+  (which is relative to each cache's size) tempers it.
 - `decode_weight_tokens * in_flight(b)` (default 4): what a running request costs a new one's first token. The
   engine runs prefill before decode (SGLang's default), so a newcomer waits for at most the current decode step,
   to which each running request adds little: about a few prompt tokens' worth of prefill. A queued prefill, by
@@ -136,17 +146,25 @@ class PrefixAware:
         """`session_blocks`: what the request's session key vouches `backend` holds (`session_blocks()`)."""
         config = self.config
         uncached = request.uncached_tokens(matched_blocks)
+        affinity = self.affinity(backend, matched_blocks, request)
         now_s = time.monotonic()
-        cost = (self.queued_prefill(backend, uncached, now_s) + config.affinity_weight * uncached
+        cost = (self.queued_prefill(backend, uncached, now_s) + affinity * uncached
                 + config.active_weight * request.block_tokens(backend.active_blocks + backend.remote.active_blocks)
                 + config.decode_weight_tokens * backend.fleet_in_flight)
         continues_session = session_blocks > matched_blocks  # the key's last prompt, beyond what the index knows
         if continues_session:
-            cost -= config.session_weight * config.affinity_weight * \
-                (uncached - request.uncached_tokens(session_blocks))
+            cost -= config.session_weight * affinity * (uncached - request.uncached_tokens(session_blocks))
         if not continues_session and _starts_branch(backend, matched_blocks, request):
-            cost += config.held_weight * request.block_tokens(backend.index.size_blocks)
+            # A new branch grows into what the cache holds: the fuller it is, the likelier it evicts live histories.
+            cost += config.held_weight * affinity * request.block_tokens(backend.index.size_blocks)
         return cost
+
+    def affinity(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> float:
+        """What one uncached token costs on `backend`: its prefill, plus what it evicts. That second part grows
+        with how full the cache would be once the request is cached there: nothing is evicted from room to spare."""
+        index = backend.index
+        fill = min(1.0, (index.size_blocks + len(request.hashes) - matched_blocks) / index.capacity_blocks)
+        return 1.0 + (self.config.affinity_weight - 1.0) * fill
 
     def session_blocks(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> int:
         """Blocks of the request that `backend` computed for its session's last prompt and probably still holds:
