@@ -154,7 +154,7 @@ class Router:
             return self._reserve(self.policy.choose(candidates, request), request)
         request = request._replace(last_visit=sessions.last_visit(key))
         decision = self.policy.choose(candidates, request)
-        visit = Visit.of(request.hashes, decision.backend)
+        visit = Visit.of(decision.backend, len(request.hashes), request.hashes[-1])
         sessions.visited(key, visit)  # the key follows its request
         decision.backend.publisher.session_visited(decision.backend, key, visit.blocks, visit.last_hash)
         return self._reserve(decision, request)

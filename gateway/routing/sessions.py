@@ -44,12 +44,11 @@ class Visit:
     evicted_blocks: int
 
     @classmethod
-    def of(cls, hashes: Sequence[int], backend: Backend) -> Visit:
-        """A request of these block hashes (at least one), sent to `backend` and recorded in its index as far as one
-        may be."""
+    def of(cls, backend: Backend, blocks: int, last_hash: int) -> Visit:
+        """A request of `blocks` hashed blocks (at least one) ending in `last_hash`, sent to `backend` and recorded
+        in its index as far as one may be; its evictions counted from now."""
         index = backend.index
-        return cls(backend, len(hashes), hashes[-1], min(len(hashes), index.record_limit_blocks),
-                   index.evicted_blocks)
+        return cls(backend, blocks, last_hash, min(blocks, index.record_limit_blocks), index.evicted_blocks)
 
     def continued_blocks(self, backend: Backend, hashes: Sequence[int]) -> int:
         """Blocks of the prompt `hashes` that `backend` computed for this visit: all of the visit's prompt when
@@ -81,6 +80,5 @@ class Sessions(ExpiringLru[int, Visit]):
         if age_s >= self.ttl_s:
             return False
         # Eviction counts differ between instances: counted from now, a publication's delay late.
-        index = backend.index
-        self.put(key, Visit(backend, blocks, last_hash, min(blocks, index.record_limit_blocks), index.evicted_blocks))
+        self.put(key, Visit.of(backend, blocks, last_hash))
         return True
