@@ -70,8 +70,12 @@ def test_demo_with_workers_shares_routing_state_between_them() -> None:
         url = f"http://{LOOPBACK}:{port}"
         body = {"model": LLM_MODEL, "max_tokens": 4,
                 "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Hello!"}]}
-        answers = [httpx2.post(url + "/v1/chat/completions", json=body, trust_env=False, timeout=30)
-                   for _ in range(6)]  # a new connection each: the kernel spreads them over both workers
+        answers = [httpx2.post(url + "/v1/chat/completions", json=body, trust_env=False, timeout=30)]
+        # Placements reach the other worker within a flush or two (README "Several instances": p50 <= 50 ms, and
+        # a loaded CI machine is slower): give it a second before asking it, as a client's next turn would.
+        time.sleep(1.0)
+        answers += [httpx2.post(url + "/v1/chat/completions", json=body, trust_env=False, timeout=30)
+                    for _ in range(5)]  # a new connection each: the kernel spreads them over both workers
         assert {answer.headers["x-gateway-backend"] for answer in answers} == {answers[0].headers["x-gateway-backend"]}
         assert json.loads(answers[-1].text)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         instances = {httpx2.get(url + "/ready", trust_env=False).json()["state"]["instance"] for _ in range(20)}
