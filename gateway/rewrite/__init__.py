@@ -244,7 +244,7 @@ class Rewriter:
 
 def _chat_host(messages: list[Any]) -> _Host | None:
     last = messages[-1]
-    if not isinstance(last, Mapping) or "role" not in last:  # a Responses function call or its output
+    if not isinstance(last, dict) or "role" not in last:  # a Responses function call or its output
         return None
     content = last.get("content")
     if content is None or isinstance(content, str):
@@ -264,7 +264,7 @@ def _chat_head(messages: list[Any], host: _Host | None) -> list[_Slot]:
     """The strings of the messages up to and including the first user message, in order."""
     slots: list[_Slot] = []
     for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
+        if not isinstance(message, dict):
             continue
         role = message.get("role")
         searchable = role in ("system", "developer", "user")
@@ -286,7 +286,7 @@ _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 
 
 def _part_text(part: Any) -> str | None:
-    if isinstance(part, Mapping) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str):
+    if isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str):
         text: str = part["text"]
         return text
     return None

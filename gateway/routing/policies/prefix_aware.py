@@ -132,7 +132,8 @@ class PrefixAware:
         matches = {id(b): b.index.match(request.hashes) for b in eligible}
         vouched = {id(b): self.session_blocks(b, matches[id(b)], request) for b in eligible} \
             if request.last_visit is not None else {}
-        chosen = self._cheapest(eligible, matches, vouched, request)
+        # One candidate (a sidecar's replica, the last healthy one) is chosen whatever it costs.
+        chosen = eligible[0] if len(eligible) == 1 else self._cheapest(eligible, matches, vouched, request)
         matched, deepest = matches[id(chosen)], max(matches.values())
         if not deepest or request.match_fraction(deepest) < self.config.cache_threshold:
             route = Route.LEAST_LOAD
