@@ -8,7 +8,11 @@ background, and a front that answers /health is not yet one that relays.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import time
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import aiohttp
@@ -106,6 +110,24 @@ def stream_reads(url: str, body: str, tries: int = 3) -> StreamReads:
     """Read a paced stream through a front, one at a time, `tries` times; the one with the most reads (the
     least disturbed by other programs on the machine)."""
     return asyncio.run(read_streams(url, body, tries))
+
+
+@contextmanager
+def idle_connections(url: str, body: str, count: int) -> Iterator[None]:
+    """`count` client connections to a front, each left open and idle after one answered request, until the block
+    ends. (http.client reads no proxy variables.)"""
+    address = urllib.parse.urlsplit(url)
+    connections: list[http.client.HTTPConnection] = []
+    try:
+        for _ in range(count):
+            connection = http.client.HTTPConnection(address.hostname or "127.0.0.1", address.port, timeout=10)
+            connections.append(connection)
+            connection.request("POST", CHAT_PATH, body=body, headers={"Content-Type": "application/json"})
+            connection.getresponse().read()
+        yield
+    finally:
+        for connection in connections:
+            connection.close()
 
 
 def front_names(text: str, skip_peers: bool) -> list[str]:

@@ -5,7 +5,8 @@ The load comes from wrk (C) and the non-streamed answers from nginx, so neither 
 what limits a front: a Python client or replica would be. Per front: requests/s at 16 and 64 connections,
 latency at 1 connection (and what the front adds over direct), the front's CPU time per request (its process
 tree's utime + stime over the measured window, divided by the requests completed: stable on a shared machine
-where requests/s is not), its resident memory after the warm-up and after the last round, and streaming: SSE
+where requests/s is not), its resident memory after the warm-up and after the last round, what each idle client
+connection adds to it (`IDLE_CONNECTIONS` opened after the rounds, each after one request), and streaming: SSE
 chunks relayed per second over 64 concurrent streams paced like an engine (`loadtest/sse_backend.py`), plus one
 stream read through the front to check that it relays chunk by chunk.
 
@@ -19,11 +20,12 @@ import resource
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.fronts import DEFAULT_FRONTS, Front, StreamReads, start_front, stream_reads
+from loadtest.fronts import DEFAULT_FRONTS, Front, StreamReads, idle_connections, start_front, stream_reads
 from loadtest.nginx import start_nginx
 from loadtest.procstat import machine_busy_s, usage
 from loadtest.wrk import chat_bodies, lua_script, run_wrk
@@ -33,6 +35,7 @@ C1, C16, C64, STREAM = "c1", "c16", "c64", "stream"
 CONNECTIONS = {C1: 1, C16: 16, C64: 64}
 STREAMS = 64                 # concurrent streams of the streaming phase
 CHUNK_INTERVAL_MS = 2.0      # one chunk per stream every 2 ms, as an engine decoding at 500 tokens/s
+IDLE_CONNECTIONS = 256       # for memory per connection: 4x the 64 the rounds opened, so most are new ones
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class FrontResult:
     rss_start_mb: float | None = None                         # after the first warm-up
     rss_end_mb: float | None = None                           # after the last non-streaming round
     stream_reads: StreamReads | None = None
+    kib_per_connection: float | None = None                   # resident memory an idle client connection adds
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -124,6 +128,17 @@ def rss_mb(front: Front) -> float | None:
     return None if front.pid is None else usage(front.pid).rss_bytes / 2**20
 
 
+def kib_per_connection(front: Front, probe: str) -> float | None:
+    """What each idle keep-alive client connection adds to the front's resident memory, in KiB."""
+    if front.pid is None:
+        return None
+    before = usage(front.pid).rss_bytes
+    with idle_connections(front.url, probe, IDLE_CONNECTIONS):
+        time.sleep(0.5)  # a front that hands connections to workers has settled them
+        after = usage(front.pid).rss_bytes
+    return (after - before) / IDLE_CONNECTIONS / 1024
+
+
 def write_script(directory: Path, stream: bool) -> Path:
     path = directory / ("stream.lua" if stream else "chat.lua")
     path.write_text(lua_script(chat_bodies(stream=stream)), encoding="utf-8")
@@ -138,7 +153,7 @@ def log_point(round_index: int, config: OverheadConfig, front: str, label: str, 
           f"other programs {other} cores", file=sys.stderr)
 
 
-def non_streaming_phase(fronts: Sequence[Front], backend_pid: int, script: Path, config: OverheadConfig,
+def non_streaming_phase(fronts: Sequence[Front], backend_pid: int, script: Path, probe: str, config: OverheadConfig,
                         results: dict[str, FrontResult]) -> None:
     for front in fronts:
         run_wrk(front.url, script, CONNECTIONS[C64], config.warmup_s)
@@ -152,6 +167,7 @@ def non_streaming_phase(fronts: Sequence[Front], backend_pid: int, script: Path,
                 samples.setdefault((front.name, label), []).append(point)
     for front in fronts:
         results[front.name].rss_end_mb = rss_mb(front)
+        results[front.name].kib_per_connection = kib_per_connection(front, probe)
         for label in CONNECTIONS:
             results[front.name].points[label] = median_point(samples[(front.name, label)])
 
@@ -201,7 +217,8 @@ def run_overhead(config: OverheadConfig) -> list[FrontResult]:
             fleet.processes.append(nginx)
             probe = chat_bodies(stream=False, count=1)[0]
             fronts = start_fronts(fleet, config.fronts, nginx.url, probe)
-            non_streaming_phase(fronts, nginx.popen.pid, write_script(directory, stream=False), config, results)
+            non_streaming_phase(fronts, nginx.popen.pid, write_script(directory, stream=False), probe, config,
+                                results)
         with running_fleet() as fleet:
             backend = start_sse_backend(fleet, config)
             probe = chat_bodies(stream=True, count=1)[0]

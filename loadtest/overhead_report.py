@@ -11,8 +11,8 @@ from loadtest.fronts import DIRECT, GATEWAY_ARGS, SGLANG_ROUTER
 from loadtest.overhead import C1, C16, C64, STREAM, FrontResult, Point
 
 COLUMNS = ("front", "req/s c16", "req/s c64", "c1 p50 / p99 ms", "added p50 ms", "CPU us/req c16 / c64",
-           "RSS MB start → end", "stream chunks/s", "stream p50 ms", "CPU us/chunk", "reads/events (most per read)",
-           "other cores", "errors")
+           "RSS MB start → end", "KiB per idle conn", "stream chunks/s", "stream p50 ms", "CPU us/chunk",
+           "reads/events (most per read)", "other cores", "errors")
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ def _row(result: FrontResult, direct: FrontResult | None, peer: FrontResult | No
         _added(result, direct, peer),
         f"{_cpu(points.get(C16))} / {_cpu(points.get(C64))}",
         rss,
+        "-" if result.kib_per_connection is None else f"{result.kib_per_connection:.1f}",
         _rate(chunks_per_s(result, chunks), peer_chunks),
         "-" if stream is None else f"{stream.p50_ms:.1f}",
         cpu_chunk,

@@ -12,16 +12,26 @@ import time
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from loadtest import __main__ as loadtest_main
 from loadtest import procstat
-from loadtest.fronts import DIRECT, GATEWAY_PREFIX_AWARE, SGLANG_ROUTER, SMG, StreamReads, front_names, read_streams
+from loadtest.fronts import (
+    DIRECT,
+    GATEWAY_PREFIX_AWARE,
+    SGLANG_ROUTER,
+    SMG,
+    StreamReads,
+    front_names,
+    idle_connections,
+    read_streams,
+)
 from loadtest.nginx import COMPLETION, MODEL, nginx_config, nginx_installed, start_nginx
 from loadtest.overhead import C1, C16, C64, STREAM, CpuClock, FrontResult, Point, median_point
 from loadtest.overhead_report import overhead_rows, target_lines
 from loadtest.sse_backend import create_app, stream_events
-from loadtest.wrk import WrkError, chat_bodies, lua_script, parse_output, run_wrk, wrk_installed
+from loadtest.wrk import CHAT_PATH, WrkError, chat_bodies, lua_script, parse_output, run_wrk, wrk_installed
 from simulator.fleet import running_fleet
 
 needs_nginx = pytest.mark.skipif(not nginx_installed(), reason="needs nginx (apt-get install nginx-light)")
@@ -166,6 +176,28 @@ def test_sse_backend_streams_paced_chunks_then_done() -> None:
     assert reads.reads >= 5            # delivered as they were written, not in one piece
 
 
+def test_idle_connections_each_answer_one_request_and_stay_open_until_the_block_ends() -> None:
+    peers: list[asyncio.Transport] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        peers.append(request.transport)
+        return web.json_response({"ok": True})
+
+    async def hold() -> tuple[int, int, int]:
+        app = web.Application()
+        app.router.add_post(CHAT_PATH, chat)
+        async with TestServer(app, host="127.0.0.1") as server:
+            def inside() -> tuple[int, int]:
+                with idle_connections(str(server.make_url("")).rstrip("/"), "{}", 5):
+                    return len(peers), sum(not peer.is_closing() for peer in peers)
+            answered, open_ = await asyncio.to_thread(inside)
+            await asyncio.sleep(0.1)
+            return answered, open_, sum(not peer.is_closing() for peer in peers)
+
+    assert asyncio.run(hold()) == (5, 5, 0)  # five requests on five connections, closed after the block
+
+
 def test_front_list_rejects_unknown_names_and_skips_peers_on_request() -> None:
     assert front_names("direct, sglang-router,smg,gateway-prefix_aware", skip_peers=True) == [
         DIRECT, GATEWAY_PREFIX_AWARE]
@@ -188,7 +220,7 @@ def results() -> list[FrontResult]:
     router = FrontResult(SGLANG_ROUTER, {C1: point(3000, 0.20), C16: point(8000), C64: point(7000),
                                          STREAM: point(400, 150)}, 90.0, 91.0, StreamReads(60, 65, 2))
     gateway = FrontResult(GATEWAY_PREFIX_AWARE, {C1: point(1000, 0.40), C16: point(4000), C64: point(2100),
-                                                 STREAM: point(150, 300)}, 45.0, 46.0, StreamReads(62, 65, 2))
+                                                 STREAM: point(150, 300)}, 45.0, 46.0, StreamReads(62, 65, 2), 12.34)
     return [direct, router, gateway, FrontResult(SMG)]
 
 
@@ -197,8 +229,9 @@ def test_table_gives_ratios_and_added_latency_against_sglang_router() -> None:
     gateway = rows[GATEWAY_PREFIX_AWARE]
     assert gateway[1:3] == ["4,000 (0.50×)", "2,100 (0.30×)"]
     assert gateway[4] == "+0.30 (+0.20 vs sglr)"
-    assert gateway[7] == "9,600 (0.38×)"
-    assert gateway[6] == "45 → 46"
+    assert gateway[8] == "9,600 (0.38×)"
+    assert gateway[6:8] == ["45 → 46", "12.3"]
+    assert rows[SGLANG_ROUTER][7] == "-"  # not measured
     assert rows[SGLANG_ROUTER][1] == "8,000" and rows[SGLANG_ROUTER][4] == "+0.10"
     assert rows[DIRECT][4] == "-" and rows[DIRECT][5] == "- / -"
     assert rows[SMG][1] == "-"
