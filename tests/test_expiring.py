@@ -1,14 +1,7 @@
 """The bounded, aged map behind session keys and stored-response owners."""
 
 from gateway.expiring import ExpiringLru
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now_s = 0.0
-
-    def __call__(self) -> float:
-        return self.now_s
+from tests.fake_clock import FakeClock
 
 
 def test_the_least_recently_put_key_leaves_first_beyond_the_bound() -> None:
@@ -21,7 +14,7 @@ def test_the_least_recently_put_key_leaves_first_beyond_the_bound() -> None:
 
 
 def test_an_entry_leaves_ttl_after_its_last_put_and_a_read_does_not_refresh_it() -> None:
-    clock = Clock()
+    clock = FakeClock()
     entries: ExpiringLru[str, int] = ExpiringLru(max_entries=10, ttl_s=5.0, clock=clock)
     entries.put("old", 1)
     clock.now_s = 4.0

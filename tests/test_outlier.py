@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 from gateway.fleet.outlier import Outlier, OutlierConfig, OutlierState
+from tests.fake_clock import FakeClock
 
 CONFIG = OutlierConfig(consecutive_failures=3, base_ejection_s=10.0, max_ejection_s=60.0)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now_s = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
-def outlier(config: OutlierConfig = CONFIG) -> tuple[Outlier, Clock]:
-    clock = Clock()
+def outlier(config: OutlierConfig = CONFIG) -> tuple[Outlier, FakeClock]:
+    clock = FakeClock(1000.0)
     return Outlier(config, clock), clock
 
 
@@ -70,7 +63,7 @@ def test_a_failed_probe_ejects_again_for_twice_as_long_up_to_the_cap() -> None:
     assert durations == [10.0, 20.0, 40.0, 60.0, 60.0]
 
 
-def eject_in_a_row(target: Outlier, clock: Clock, times: int) -> list[float]:
+def eject_in_a_row(target: Outlier, clock: FakeClock, times: int) -> list[float]:
     """Eject `times` times, each time right after the back-off (a failed probe); returns the durations."""
     durations = []
     for _ in range(times):

@@ -8,6 +8,7 @@ from gateway.fleet.backends import Backend, LoadSignals
 from gateway.routing.policies import Route
 from gateway.routing.policies.prefix_aware import PrefixAware, PrefixAwareConfig
 from gateway.routing.router import Placement
+from tests.fake_clock import FakeClock
 from tests.policy_fixtures import make_backends, request, text
 
 SYSTEM = text("shared system prompt", 4000)
@@ -216,16 +217,6 @@ def test_engine_queue_we_sent_ourselves_is_not_counted_twice() -> None:
     assert chooser.choose(backends, request(history + text("next", 200))).backend is backends[0]
 
 
-class FakeClock:
-    """Stands in for time.monotonic(): the backends' prefill backlogs and the policy read the same clock."""
-
-    def __init__(self) -> None:
-        self.now_s = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
 def sent(backends: list[Backend], prompt: str) -> Placement:
     """`prompt` routed among `backends` by prefix_aware and reserved there, as the router does."""
     routed = request(prompt)
@@ -242,7 +233,7 @@ def teach_prefill_rate(backend: Backend, clock: FakeClock, tokens_per_s: float) 
 
 
 def test_newcomer_joins_the_backend_whose_prefill_is_nearly_done(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)  # the backends' prefill backlogs and the policy read the same clock
     monkeypatch.setattr(time, "monotonic", clock)
     backends = make_backends(2)
     for backend in backends:

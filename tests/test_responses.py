@@ -11,18 +11,11 @@ from gateway.errors import StoredResponseUnavailable
 from gateway.fleet.backends import Backend, BackendSpec
 from gateway.fleet.pool import Pool
 from gateway.fleet.upstream import UpstreamClient
+from tests.fake_clock import FakeClock
 
 
 def backend(url: str) -> BackendSpec:
     return BackendSpec(url)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now_s = 0.0
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 def test_remembers_the_backend_of_each_response_until_forgotten() -> None:
@@ -45,7 +38,7 @@ def test_the_oldest_ids_are_dropped_beyond_the_bound() -> None:
 
 
 def test_records_expire_after_the_ttl() -> None:
-    clock = Clock()
+    clock = FakeClock()
     owners = ResponseOwners(max_ids=10, ttl_s=60, clock=clock)
     a = backend("http://a")
     owners.remember("resp_old", a)
