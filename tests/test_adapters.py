@@ -170,6 +170,7 @@ def test_an_adapter_no_backend_serves_any_more_leaves_no_metric_series() -> None
         metrics.request_done("chat", model, "http://b0", "prefix", "200", 0.1, 0.05, 0.5)
         for counter in metrics.token_counters(model, "http://b0"):
             counter.inc(10)
+        metrics.prefix_turn(model, "http://b0", found=True)
     for backend in pool.backends:  # sql unloaded, one backend after the other
         backend.discovered_model(listing("llama"))
         pool.models_learned()

@@ -193,12 +193,13 @@ class GatewayMetrics:
         """Drop every series labelled with a model no backend serves any more (`Pool.models_gone`): LoRA adapters
         are loaded and unloaded at run time, and each would otherwise leave its series behind for good."""
         for model in models:
-            _forget((self.requests, self.prompt_tokens, self.cached_tokens, self.predicted_cached_tokens),
-                    "model", model)
+            _forget((self.requests, self.prompt_tokens, self.cached_tokens, self.predicted_cached_tokens,
+                     self.prefix_turns), "model", model)
             self.prefix_match.forget("model", model)
         self._children = {key: children for key, children in self._children.items() if key[1] not in models}
         self._token_children = {key: counters for key, counters in self._token_children.items()
                                 if key[0] not in models}
+        self._turn_children = {key: counter for key, counter in self._turn_children.items() if key[0] not in models}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
