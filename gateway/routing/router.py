@@ -137,7 +137,7 @@ class Router:
 
     def routing_request(self, text: str, model: str | None = None, session: str | None = None) -> RoutingRequest:
         """The request as policies see it; `session` is the client's session key, if it sent one."""
-        seed = (self._seeds.get(model) or self.seed_of(model)) if model else ROOT_SEED
+        seed = self.seed_of(model) if model else ROOT_SEED
         return RoutingRequest(block_hashes(text, self.config.block_chars, seed), len(text),
                               self.config.block_chars, self.config.chars_per_token,
                               None if session is None or self.sessions is None else key_hash(session))

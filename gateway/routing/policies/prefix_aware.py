@@ -132,8 +132,7 @@ class PrefixAware:
         matches = {id(b): b.index.match(request.hashes) for b in eligible}
         vouched = {id(b): self.session_blocks(b, matches[id(b)], request) for b in eligible} \
             if request.last_visit is not None else {}
-        # One candidate (a sidecar's replica, the last healthy one) is chosen whatever it costs.
-        chosen = eligible[0] if len(eligible) == 1 else self._cheapest(eligible, matches, vouched, request)
+        chosen = self._cheapest(eligible, matches, vouched, request)
         matched, deepest = matches[id(chosen)], max(matches.values())
         if not deepest or request.match_fraction(deepest) < self.config.cache_threshold:
             route = Route.LEAST_LOAD
@@ -194,8 +193,11 @@ class PrefixAware:
 
     def _cheapest(self, backends: Sequence[Backend], matches: dict[int, int], vouched: dict[int, int],
                   request: RoutingRequest) -> Backend:
-        """Least cost; ties to the emptiest index (room for a new prefix), then by rotation."""
+        """Least cost; ties to the emptiest index (room for a new prefix), then by rotation. One candidate (a
+        sidecar's replica, the last healthy one) is chosen without costing it."""
         count = len(backends)
+        if count == 1:
+            return backends[0]
         rotated = [backends[(self._turn + i) % count] for i in range(count)]
         return min(rotated, key=lambda b: (self.cost(b, matches[id(b)], request, vouched.get(id(b), 0)),
                                            b.index.size_blocks / b.index.capacity_blocks))
