@@ -3,8 +3,8 @@
 Each error knows its HTTP status and OpenAI error ``type``; `app.py` turns any of them into an error body in
 one place (`error_response`), so no handler builds error JSON by hand. What is not ours yet -- aiohttp's own
 refusals, a bug -- becomes one here (`http_error`, `unexpected_error`), for the gateway's and the admin API's
-middleware alike. The body is OpenAI's shape, except on
-Anthropic's Messages API (`/v1/messages...`), whose SDKs read Anthropic's: `ErrorShape.for_path` decides.
+middleware alike. The body is OpenAI's shape, except on Anthropic's Messages API (`/v1/messages...`), whose SDKs
+read Anthropic's: `ErrorShape.for_path` decides.
 """
 
 from __future__ import annotations
