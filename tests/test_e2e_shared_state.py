@@ -43,13 +43,20 @@ def applied(gateway: str) -> int:
     return int(state_of(gateway)[1]["applied_updates"])
 
 
+def sees_remote_load(gateway: str) -> bool:
+    backends = httpx2.get(gateway + "/backends", timeout=5, trust_env=False).json()["backends"]
+    return any(b["remote_in_flight"] or b["remote_queued_prefill_tokens"] for b in backends)
+
+
 def place_and_share(placing: str, others: list[str], system: str) -> str:
-    """Send a first request about `system` through `placing`; its backend, once every other instance applied it."""
+    """Send a first request about `system` through `placing`; its backend, once every other instance applied it
+    and holds no load of it any more (a flush during the request shares it in flight, so the owner looks busy
+    until the next flushes: a second request would rightly spill)."""
     before = [applied(other) for other in others]
     response = chat(placing, system, "first question")
     assert response.status_code == 200
     deadline = time.monotonic() + SHARING_PATIENCE_S
-    while any(applied(other) <= count for other, count in zip(others, before, strict=True)):
+    while any(applied(other) <= count or sees_remote_load(other) for other, count in zip(others, before, strict=True)):
         assert time.monotonic() < deadline, "the placement did not reach every other instance"
         time.sleep(0.02)
     return response.headers["x-gateway-backend"]

@@ -328,6 +328,7 @@ class Backend:
             "in_flight": self.in_flight, "remote_in_flight": self.remote.in_flight,
             "pending_prefill_tokens": self.pending_prefill_tokens,
             "queued_prefill_tokens": round(self.backlog.remaining_tokens(time.monotonic())),
+            "remote_queued_prefill_tokens": self.remote.prefill_tokens,
             "prefill_tokens_per_s": self.backlog.tokens_per_s,
             "active_blocks": self.active_blocks,
             "capacity_tokens": self.capacity_tokens, "index_blocks": self.index.size_blocks,
