@@ -11,9 +11,10 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   prefill this request would cause there. A conversation therefore follows its own history, not the system
   prompt every backend holds: only the backend its earlier turns went to holds the history.
 - `affinity(b)` makes recomputation dearer than waiting: uncached tokens cost the backend prefill time *and*
-  evict other prefixes from its cache. The second part is only as large as `b`'s cache is full once the request
-  is recorded there (`fill`, its index's size over its bound): `affinity(b) = 1 + (affinity_weight - 1) * fill`,
-  so 1 on an empty cache and `affinity_weight` (default 4) on a full one. So a prefix stays on its holder
+  evict other prefixes from its cache. The second part grows with how full `b`'s cache is once the request is
+  recorded there (`fill`, its index's size over its bound), whole from three quarters full on:
+  `affinity(b) = 1 + (affinity_weight - 1) * min(1, fill / FULL_AFFINITY_FILL)`, so 1 on an empty cache and
+  `affinity_weight` (default 4) on a cache three quarters full or more. So a prefix stays on its holder
   ("sticky") until the holder's queue exceeds about four times the prefill it saves, then it is replicated onto
   the next backend (route `spill`), which holds it from then on; a hot prefix spreads over as many backends as
   its traffic needs. While other caches have room a copy evicts nothing and costs only its prefill, so the
@@ -94,6 +95,13 @@ from dataclasses import dataclass
 from gateway.fleet.backends import Backend
 from gateway.routing.policies import Decision, PolicyConfig, Route, RoutingRequest
 
+# The fill at which a copy is charged the whole affinity weight. Charged in proportion to the fill up to a full
+# cache, busy prefixes were copied (spilled) too soon while caches had room: b2b-saas under overload, whose
+# prefixes never fill them, lost 1-2.4 points of hits to cache_aware. Charged whole from half full, they stayed
+# too long on their holders: shared-prefix's p99 TTFT under overload rose from 0.67x cache_aware's to 1.21x.
+# At three quarters both hold, and the empty caches of tight's start still partition its conversations.
+FULL_AFFINITY_FILL = 0.75
+
 
 @dataclass(frozen=True)
 class PrefixAwareConfig(PolicyConfig):
@@ -161,10 +169,11 @@ class PrefixAware:
 
     def affinity(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> float:
         """What one uncached token costs on `backend`: its prefill, plus what it evicts. That second part grows
-        with how full the cache would be once the request is cached there: nothing is evicted from room to spare."""
+        with how full the cache would be once the request is cached there, whole from `FULL_AFFINITY_FILL` on:
+        nothing is evicted from room to spare, but a copy made now takes room that later content will need."""
         index = backend.index
         fill = min(1.0, (index.size_blocks + len(request.hashes) - matched_blocks) / index.capacity_blocks)
-        return 1.0 + (self.config.affinity_weight - 1.0) * fill
+        return 1.0 + (self.config.affinity_weight - 1.0) * min(1.0, fill / FULL_AFFINITY_FILL)
 
     def session_blocks(self, backend: Backend, matched_blocks: int, request: RoutingRequest) -> int:
         """Blocks of the request that `backend` computed for its session's last prompt and probably still holds:
