@@ -6,7 +6,7 @@ import pytest
 
 from gateway.fleet.backends import Backend, LoadSignals
 from gateway.routing.policies import Route
-from gateway.routing.policies.prefix_aware import PrefixAware, PrefixAwareConfig
+from gateway.routing.policies.prefix_aware import FULL_AFFINITY_FILL, PrefixAware, PrefixAwareConfig
 from gateway.routing.router import Placement
 from tests.fake_clock import FakeClock
 from tests.policy_fixtures import make_backends, request, text
@@ -87,6 +87,19 @@ def test_hot_prefix_is_copied_sooner_onto_a_backend_with_room_to_spare() -> None
     backends[0].backlog.add(4000, time.monotonic())
     decision = policy().choose(backends, request(hot + "q1"))
     assert decision.backend is not backends[0] and decision.route is Route.SPILL
+
+
+def test_a_copy_costs_its_prefill_alone_on_an_empty_cache_and_the_whole_weight_from_three_quarters_full() -> None:
+    (backend,) = make_backends(1, capacity_blocks=400)
+    prompt = request(text("a new prompt", 2600))
+    blocks = len(prompt.hashes)  # a tenth of the cache
+    assert policy().affinity(backend, 0, prompt) == pytest.approx(1 + 3 * blocks / 400 / FULL_AFFINITY_FILL)
+    backend.index.insert(list(range(1, 151 - blocks)))  # with the prompt, three eighths full: half the eviction
+    assert policy().affinity(backend, 0, prompt) == pytest.approx(2.5)
+    backend.index.insert(list(range(1000, 1150)))  # with the prompt, three quarters full
+    assert policy().affinity(backend, 0, prompt) == pytest.approx(4.0)
+    backend.index.insert(list(range(2000, 2100)))  # full: nothing more
+    assert policy().affinity(backend, 0, prompt) == pytest.approx(4.0)
 
 
 def test_conversations_spread_over_empty_caches_though_one_backend_holds_the_system_prompt() -> None:
