@@ -197,7 +197,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("decode_weight_tokens", "policy", "decode_weight_tokens", at_least(0.0, number),
            "prompt tokens of prefill one running request is worth in a backend's cost"),
     Option("affinity_weight", "policy", "affinity_weight", at_least(1.0, number),
-           "how many queued prefill tokens one uncached prompt token is worth (higher = stickier)"),
+           "how many queued prefill tokens one uncached prompt token is worth on a cache three quarters full "
+           "or more; on an emptier one less, down to 1 on an empty one (higher = stickier)"),
     Option("active_weight", "policy", "active_weight", at_least(0.0, number),
            "queued prefill tokens one distinct prompt token of the running requests is worth "
            "(their KV memory; balances where long-lived conversations settle)"),
