@@ -17,7 +17,7 @@ Every healthy backend gets a cost in prompt tokens; the cheapest wins:
   `affinity_weight` (default 4) on a cache three quarters full or more. So a prefix stays on its holder
   ("sticky") until the holder's queue exceeds about four times the prefill it saves, then it is replicated onto
   the next backend (route `spill`), which holds it from then on; a hot prefix spreads over as many backends as
-  its traffic needs. While other caches have room a copy evicts nothing and costs only its prefill, so the
+  its traffic needs. While other caches are nearly empty a copy costs little more than its prefill, so the
   prefix spreads sooner: this is what partitions conversations behind one system prompt while the caches are
   still empty, before their histories grow to fill them (issue #20: charged four times its 300 tokens
   everywhere, the system prompt kept three replicas taking 40 conversations whose histories then overflowed
