@@ -11,7 +11,6 @@ Values are parsed strictly; a bad one raises `ConfigError` naming the key and th
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
@@ -22,6 +21,7 @@ from urllib.parse import urlsplit
 
 from gateway import validate
 from gateway.api.headers import Network, parse_networks
+from gateway.cpus import usable_cpus
 from gateway.errors import ConfigError
 from gateway.fleet.backends import BackendSpec
 from gateway.fleet.discovery import DnsName
@@ -113,7 +113,7 @@ def _header_name(key: str, value: Any) -> str:
 
 def _workers(key: str, value: Any) -> int:
     if value == "auto":
-        return os.cpu_count() or 1
+        return usable_cpus()
     return at_least(1, integer)(key, value)
 
 
@@ -302,7 +302,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("expose_backend_urls", "", "expose_backend_urls", boolean,
            "x-gateway-backend carries the backend's URL instead of its name (true/false)", "BOOL"),
     Option("workers", "", "workers", _workers,
-           "processes serving the port (auto = one per core)", "N"),
+           "processes serving the port (auto = one per CPU the gateway may use: its CPU affinity, capped by a "
+           "container's CPU limit)", "N"),
     Option("default_model", "", "default_model", string,
            "model for requests that name none, when several are served"),
     Option("state", "", "state", _store_url,
