@@ -94,7 +94,7 @@ def learn_pieces(corpus: str, n_merges: int) -> tuple[list[str], list[str]]:
         pairs: collections.Counter[tuple[str, str]] = collections.Counter()
         for w, freq in words.items():
             s = seqs[w]
-            for a, b in zip(s, s[1:]):
+            for a, b in zip(s, s[1:], strict=False):
                 pairs[(a, b)] += freq
         if not pairs:
             break
