@@ -34,33 +34,48 @@ def cgroup_cpu_limit(mountinfo: str, cgroups: str) -> float | None:
 
 
 def _cpu_cgroup_dirs(mountinfo: str, cgroups: str) -> Iterator[tuple[Path, bool]]:
-    """The directories of the process's CPU cgroup and of its ancestors up to the mount, v2 or not."""
-    paths = {}  # "v2" or "v1" -> the process's cgroup path
-    for line in cgroups.splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and not controllers:
-            paths["v2"] = path
-        elif "cpu" in controllers.split(","):
-            paths["v1"] = path
+    """The directories of the process's CPU cgroup and of its ancestors up to the mount, each with whether it is
+    cgroup v2."""
+    paths = _cgroup_paths(cgroups)
     for line in mountinfo.splitlines():
         fields, _, super_fields = line.partition(" - ")
         parts, super_parts = fields.split(), super_fields.split()
         if len(parts) < 5 or len(super_parts) < 3:
             continue
         root, mount_point, fs_type, options = parts[3], Path(parts[4]), super_parts[0], super_parts[2].split(",")
-        kind = "v2" if fs_type == "cgroup2" else "v1" if fs_type == "cgroup" and "cpu" in options else None
-        if kind is None or kind not in paths:
+        v2 = fs_type == "cgroup2"
+        if not (v2 or (fs_type == "cgroup" and "cpu" in options)) or v2 not in paths:
             continue
-        path = paths[kind]
-        # A container's cgroup namespace mounts its own cgroup as the root: then the path is relative to it.
-        relative = path[len(root):] if path.startswith(root) else ""
-        directory = mount_point / relative.lstrip("/")
+        directory = mount_point / _below(paths[v2], root)
         while True:
-            yield directory, kind == "v2"
+            yield directory, v2
             if directory == mount_point or mount_point not in directory.parents:
                 break
             directory = directory.parent
+
+
+def _cgroup_paths(cgroups: str) -> dict[bool, str]:
+    """The process's cgroup path in the v2 hierarchy (key True) and in the v1 one with the cpu controller (False),
+    from /proc/self/cgroup's `hierarchy:controllers:path` lines."""
+    paths = {}
+    for line in cgroups.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and not controllers:
+            paths[True] = path
+        elif "cpu" in controllers.split(","):
+            paths[False] = path
+    return paths
+
+
+def _below(path: str, root: str) -> str:
+    """`path` relative to the mount's `root`. A container's cgroup namespace mounts its own cgroup as the root; a
+    path outside that root (seen from another namespace) is taken as the root itself."""
+    if root == "/":
+        return path.lstrip("/")
+    if path == root or path.startswith(root + "/"):
+        return path[len(root):].lstrip("/")
+    return ""
 
 
 def _v2_limit(directory: Path) -> float | None:

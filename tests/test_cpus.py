@@ -49,6 +49,9 @@ def test_a_container_reads_the_root_of_its_own_cgroup_namespace(tmp_path: Path) 
     assert cgroup_cpu_limit(v2_mount(tmp_path), "0::/\n") == 3.0
     # A cgroup path outside the mount's root (a host path seen through a namespaced mount): the mount itself.
     assert cgroup_cpu_limit(v2_mount(tmp_path, root="/docker/abc"), "0::/elsewhere\n") == 3.0
+    assert cgroup_cpu_limit(v2_mount(tmp_path, root="/docker/abc"), "0::/docker/abcdef\n") == 3.0
+    write(tmp_path / "sub", "cpu.max=100000 100000")
+    assert cgroup_cpu_limit(v2_mount(tmp_path, root="/docker/abc"), "0::/docker/abc/sub\n") == 1.0
 
 
 @pytest.mark.parametrize("files", ["cpu.max=max 100000", "cpu.max=", "cpu.max=garbage"])
