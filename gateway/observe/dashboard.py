@@ -19,11 +19,10 @@ from importlib import resources
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import Counter
 
 from gateway.errors import BadRequest
 from gateway.fleet.pool import Pool
-from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.metrics import FastCounter, GatewayMetrics
 
 SAMPLE_INTERVAL_S = 0.9  # a little under the page's 1 s poll, so a late poll still samples
 HISTORY_S = 300.0  # what the charts show: "the last minutes"
@@ -44,7 +43,7 @@ class Sample:
     routes: dict[str, float]  # route -> requests
 
 
-def counter_totals(counter: Counter, by: Iterable[str]) -> dict[tuple[str, ...], float]:
+def counter_totals(counter: FastCounter, by: Iterable[str]) -> dict[tuple[str, ...], float]:
     """A labelled counter's values summed over every label not in `by`."""
     keys = tuple(by)
     totals: dict[tuple[str, ...], float] = collections.defaultdict(float)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -56,9 +56,61 @@ class _PoolCollector(Collector):
         yield ejections
 
 
+Child = TypeVar("Child")
+
+
+class _Family(Collector, Generic[Child]):
+    """A labelled metric family whose children are bound once per label set and updated without a lock: the
+    gateway updates them from its event loop only. prometheus-client's children take a lock (and its histogram
+    walks every bucket) on every update, a cost paid several times per request here."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str], registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.label_names = name, documentation, list(labels)
+        self._children: dict[tuple[str, ...], Child] = {}
+        registry.register(self)
+
+    def new_child(self) -> Child:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> Child:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.new_child()
+        return child
+
+    def forget(self, label: str, value: str) -> None:
+        """Drop the children whose `label` is `value`."""
+        position = self.label_names.index(label)
+        self._children = {values: child for values, child in self._children.items() if values[position] != value}
+
+
+class Count:
+    """One labelled counter's value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class FastCounter(_Family[Count]):
+    """A counter family with the same exposition as prometheus-client's (`NAME_total`), cheaper to count."""
+
+    def new_child(self) -> Count:
+        return Count()
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.label_names)
+        for values, child in list(self._children.items()):
+            family.add_metric(list(values), child.value)
+        yield family
+
+
 class Buckets:
-    """One labelled histogram's counts. Observing is a bisect and two additions: prometheus-client's Histogram
-    walks every bucket under a lock, a cost paid three times per request here."""
+    """One labelled histogram's counts. Observing is a bisect and two additions."""
 
     __slots__ = ("bounds", "counts", "sum")
 
@@ -72,26 +124,16 @@ class Buckets:
         self.sum += value
 
 
-class FastHistogram(Collector):
+class FastHistogram(_Family[Buckets]):
     """A histogram family with the same exposition as prometheus-client's, cheaper to observe."""
 
     def __init__(self, name: str, documentation: str, labels: Sequence[str], buckets: Sequence[float],
                  registry: CollectorRegistry) -> None:
-        self.name, self.documentation, self.label_names = name, documentation, list(labels)
         self.bounds = tuple(buckets)
-        self._children: dict[tuple[str, ...], Buckets] = {}
-        registry.register(self)
+        super().__init__(name, documentation, labels, registry)
 
-    def labels(self, *values: str) -> Buckets:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = Buckets(self.bounds)
-        return child
-
-    def forget(self, label: str, value: str) -> None:
-        """Drop the children whose `label` is `value`."""
-        position = self.label_names.index(label)
-        self._children = {values: child for values, child in self._children.items() if values[position] != value}
+    def new_child(self) -> Buckets:
+        return Buckets(self.bounds)
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.label_names)
@@ -109,8 +151,8 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(pool))
         labels = ["model", "backend"]
-        self.requests = Counter("gateway_requests", "Requests answered, by outcome",
-                                ["endpoint", "model", "backend", "route", "status"], registry=self.registry)
+        self.requests = FastCounter("gateway_requests", "Requests answered, by outcome",
+                                    ["endpoint", "model", "backend", "route", "status"], self.registry)
         self.upstream_latency = FastHistogram("gateway_upstream_latency_seconds",
                                               "Time from forwarding a request to the end of its response",
                                               ["endpoint", "backend"], LATENCY_BUCKETS_S, self.registry)
@@ -120,33 +162,30 @@ class GatewayMetrics:
         self.prefix_match = FastHistogram("gateway_prefix_match_ratio",
                                           "Share of the prompt the chosen backend was predicted to hold",
                                           ["model", "route"], FRACTION_BUCKETS, self.registry)
-        self.prompt_tokens = Counter("gateway_prompt_tokens", "Prompt tokens as the backends report them",
-                                     labels, registry=self.registry)
-        self.cached_tokens = Counter("gateway_cached_tokens",
-                                     "Prompt tokens the backends report as served from their prefix cache",
-                                     labels, registry=self.registry)
-        self.predicted_cached_tokens = Counter(
+        self.prompt_tokens = FastCounter("gateway_prompt_tokens", "Prompt tokens as the backends report them",
+                                         labels, self.registry)
+        self.cached_tokens = FastCounter("gateway_cached_tokens",
+                                         "Prompt tokens the backends report as served from their prefix cache",
+                                         labels, self.registry)
+        self.predicted_cached_tokens = FastCounter(
             "gateway_predicted_cached_tokens", "Prompt tokens the prefix index predicted cached (same requests "
-            "as gateway_cached_tokens)", labels, registry=self.registry)
-        self.index_corrections = Counter("gateway_index_corrections",
-                                         "Times a backend reported far fewer cached tokens than predicted and the "
-                                         "index forgot the evicted part", ["backend"], registry=self.registry)
-        self.prefix_turns = Counter("gateway_prefix_turns", "Requests routed for a prompt prefix the fleet was "
-                                    "predicted to hold (routes prefix and spill: a conversation's next turn, a "
-                                    "question behind a cached document), by whether their backend reported it "
-                                    "cached", ["model", "backend", "found"], registry=self.registry)
-        self.upstream_errors = Counter("gateway_upstream_errors", "Failed exchanges with a backend, by kind",
-                                       ["backend", "kind"], registry=self.registry)
-        self._children: dict[tuple[str, ...], tuple[Any, Buckets, Buckets, Buckets]] = {}
-        self._token_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
-        self._turn_children: dict[tuple[str, str, str], Any] = {}
-        self.rewritten_spans = Counter("gateway_rewrite_spans", "Volatile spans found near the prompt start",
-                                       ["rule", "action"], registry=self.registry)
+            "as gateway_cached_tokens)", labels, self.registry)
+        self.index_corrections = FastCounter("gateway_index_corrections",
+                                             "Times a backend reported far fewer cached tokens than predicted and "
+                                             "the index forgot the evicted part", ["backend"], self.registry)
+        self.prefix_turns = FastCounter("gateway_prefix_turns", "Requests routed for a prompt prefix the fleet was "
+                                        "predicted to hold (routes prefix and spill: a conversation's next turn, a "
+                                        "question behind a cached document), by whether their backend reported it "
+                                        "cached", ["model", "backend", "found"], self.registry)
+        self.upstream_errors = FastCounter("gateway_upstream_errors", "Failed exchanges with a backend, by kind",
+                                           ["backend", "kind"], self.registry)
+        self.rewritten_spans = FastCounter("gateway_rewrite_spans", "Volatile spans found near the prompt start",
+                                           ["rule", "action"], self.registry)
+        self._children: dict[tuple[str, ...], tuple[Count, Buckets, Buckets, Buckets]] = {}
 
     def request_done(self, endpoint: str, model: str, backend: str, route: str, status: str,
                      latency_s: float | None, ttfb_s: float | None, match: float | None) -> None:
-        """One finished request. The labelled children are looked up once per label set, not per request:
-        prometheus-client's `labels()` takes a lock and rebuilds the key each time."""
+        """One finished request: its four children are looked up once per label set, with one key."""
         key = (endpoint, model, backend, route, status)
         children = self._children.get(key)
         if children is None:
@@ -162,60 +201,32 @@ class GatewayMetrics:
         if match is not None:
             prefix_match.observe(match)
 
-    def token_counters(self, model: str, backend: str) -> tuple[Any, Any, Any]:
-        """The prompt, cached and predicted-cached token counters of one model on one backend, bound once."""
-        key = (model, backend)
-        counters = self._token_children.get(key)
-        if counters is None:
-            counters = self._token_children[key] = (self.prompt_tokens.labels(*key), self.cached_tokens.labels(*key),
-                                                    self.predicted_cached_tokens.labels(*key))
-        return counters
+    def token_counters(self, model: str, backend: str) -> tuple[Count, Count, Count]:
+        """The prompt, cached and predicted-cached token counters of one model on one backend."""
+        return (self.prompt_tokens.labels(model, backend), self.cached_tokens.labels(model, backend),
+                self.predicted_cached_tokens.labels(model, backend))
 
     def prefix_turn(self, model: str, backend: str, found: bool) -> None:
-        key = (model, backend, "true" if found else "false")
-        counter = self._turn_children.get(key)
-        if counter is None:
-            counter = self._turn_children[key] = self.prefix_turns.labels(*key)
-        counter.inc()
+        self.prefix_turns.labels(model, backend, "true" if found else "false").inc()
 
     def forget_backend(self, url: str) -> None:
         """Drop every series labelled with a removed backend's URL: a fleet whose replicas come and go (discovery)
         would otherwise export a growing set of dead series."""
-        _forget((self.requests, self.prompt_tokens, self.cached_tokens, self.predicted_cached_tokens,
-                 self.index_corrections, self.upstream_errors, self.prefix_turns), "backend", url)
-        for histogram in (self.upstream_latency, self.upstream_ttfb):
-            histogram.forget("backend", url)
+        for family in (self.requests, self.prompt_tokens, self.cached_tokens, self.predicted_cached_tokens,
+                       self.index_corrections, self.upstream_errors, self.prefix_turns, self.upstream_latency,
+                       self.upstream_ttfb):
+            family.forget("backend", url)
         self._children = {key: children for key, children in self._children.items() if key[2] != url}
-        self._token_children = {key: counters for key, counters in self._token_children.items() if key[1] != url}
-        self._turn_children = {key: counter for key, counter in self._turn_children.items() if key[1] != url}
 
     def forget_models(self, models: set[str]) -> None:
         """Drop every series labelled with a model no backend serves any more (`Pool.models_gone`): LoRA adapters
         are loaded and unloaded at run time, and each would otherwise leave its series behind for good."""
         for model in models:
-            _forget((self.requests, self.prompt_tokens, self.cached_tokens, self.predicted_cached_tokens,
-                     self.prefix_turns), "model", model)
-            self.prefix_match.forget("model", model)
+            for family in (self.requests, self.prompt_tokens, self.cached_tokens, self.predicted_cached_tokens,
+                           self.prefix_turns, self.prefix_match):
+                family.forget("model", model)
         self._children = {key: children for key, children in self._children.items() if key[1] not in models}
-        self._token_children = {key: counters for key, counters in self._token_children.items()
-                                if key[0] not in models}
-        self._turn_children = {key: counter for key, counter in self._turn_children.items() if key[0] not in models}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-
-def _forget(counters: Sequence[Counter], label: str, value: str) -> None:
-    """Remove the children of `counters` whose `label` is `value`."""
-    for counter in counters:
-        position = counter._labelnames.index(label)
-        for values in _label_sets(counter):
-            if values[position] == value:
-                counter.remove(*values)
-
-
-def _label_sets(counter: Counter) -> set[tuple[str, ...]]:
-    """The label values of every child of a labelled counter, read from its own exposition."""
-    names = counter._labelnames
-    return {tuple(sample.labels[name] for name in names)
-            for family in counter.collect() for sample in family.samples if sample.name.endswith("_total")}
