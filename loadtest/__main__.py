@@ -8,12 +8,14 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from loadtest.compare import compare
+from loadtest.cost import STEPS, CostConfig, cost_columns, cost_rows, measure_one_step, run_cpu, run_instructions
 from loadtest.fronts import DEFAULT_FRONTS, FRONTS, front_names, missing
 from loadtest.nginx import nginx_installed
 from loadtest.overhead import OverheadConfig, run_overhead
@@ -47,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "before a zero-cost backend. Needs wrk and nginx (Debian: apt-get install wrk "
                                    "nginx-light).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_overhead_arguments(overhead)
+    cost = commands.add_parser("cost", help="where a relayed request's CPU goes: the gateway's steps one at a time",
+                               description="The gateway's steps added one at a time to a bare aiohttp relay, in "
+                               "one process with the client and a zero-cost backend: CPU time (or, with "
+                               "--instructions, instructions counted by valgrind) per request at each step.",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_cost_arguments(cost)
     table = commands.add_parser("compare", help="one markdown table over the --out directories of several runs",
                                 description="One markdown table over several runs, with prefix_aware's p99 TTFT "
                                 "and goodput as ratios to cache_aware's and round_robin's from the same run.")
@@ -144,6 +152,46 @@ def add_overhead_arguments(overhead: argparse.ArgumentParser) -> None:
     overhead.add_argument("--skip-peers", action="store_true", help="leave sglang-router and smg out")
     overhead.add_argument("--out", type=Path, default=None, metavar="DIR",
                           help="also write overhead.json and overhead.md here")
+
+
+def add_cost_arguments(cost: argparse.ArgumentParser) -> None:
+    cost.add_argument("--requests", type=positive_int, default=CostConfig.requests, metavar="N",
+                      help="measured requests per step and round, after a warm-up")
+    cost.add_argument("--rounds", type=positive_int, default=CostConfig.rounds,
+                      help="interleaved rounds over the steps; each figure is the median (CPU time only)")
+    cost.add_argument("--policy", default=CostConfig.policy, help="the gateway's routing policy")
+    cost.add_argument("--steps", default=",".join(STEPS), metavar="LIST",
+                      help=f"comma-separated steps to measure, of: {', '.join(STEPS)}")
+    cost.add_argument("--instructions", action="store_true",
+                      help="count instructions under valgrind's callgrind (one run per step, ~30x slower) "
+                           "instead of timing")
+    cost.add_argument("--one-step", choices=list(STEPS), help=argparse.SUPPRESS)  # a child of --instructions
+
+
+def command_cost(args: argparse.Namespace) -> int:
+    steps = tuple(step.strip() for step in args.steps.split(",") if step.strip())
+    unknown = [step for step in steps if step not in STEPS]
+    if unknown or not steps:
+        print(f"python -m loadtest cost: unknown steps {', '.join(unknown) or '(none given)'}; known: "
+              f"{', '.join(STEPS)}", file=sys.stderr)
+        return 2
+    config = CostConfig(requests=args.requests, rounds=args.rounds, policy=args.policy, steps=steps)
+    if args.one_step:
+        measure_one_step(args.one_step, config)
+        return 0
+    if args.instructions:
+        if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+            print("python -m loadtest cost --instructions needs valgrind (Debian: apt-get install valgrind)",
+                  file=sys.stderr)
+            return 2
+        unit, costs = "instructions", run_instructions(config)
+        print(f"cost: instructions per request counted by callgrind over {config.requests} requests per step")
+    else:
+        unit, costs = "CPU us", run_cpu(config)
+        print(f"cost: CPU time per request, medians of {config.rounds} interleaved rounds of {config.requests} "
+              "requests per step")
+    print(markdown_table(cost_columns(unit), cost_rows(costs)))
+    return 0
 
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
@@ -270,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return command_list()
     if args.command == "overhead":
         return command_overhead(args, argv)
+    if args.command == "cost":
+        return command_cost(args)
     if args.command == "compare":
         try:
             print(compare(args.dirs))
