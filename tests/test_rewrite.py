@@ -3,6 +3,7 @@ import json
 from typing import Any
 
 import pytest
+from multidict import CIMultiDict
 
 from gateway.api.prompts import Endpoint
 from gateway.errors import BadRequest, ConfigError
@@ -208,11 +209,11 @@ def test_embedding_endpoint_is_never_rewritten() -> None:
 def test_opt_out_flag_and_header() -> None:
     body = {"prompt": f"{UUID} hello"}
     assert Rewriter(RewriteConfig()).rewrite(Endpoint.COMPLETION, body, "m", opted_out=True).body is None
-    assert enabled_for({"X-Gateway-Rewrite": "OFF"}) is False
-    assert enabled_for({"x-gateway-rewrite": "on"}) is True
-    assert enabled_for({}) is True
+    assert enabled_for(CIMultiDict({"X-Gateway-Rewrite": "OFF"})) is False
+    assert enabled_for(CIMultiDict({"x-gateway-rewrite": "on"})) is True
+    assert enabled_for(CIMultiDict()) is True
     with pytest.raises(BadRequest, match="x-gateway-rewrite.*'maybe'"):
-        enabled_for({"x-gateway-rewrite": "maybe"})
+        enabled_for(CIMultiDict({"x-gateway-rewrite": "maybe"}))
 
 
 def test_global_and_per_model_switches() -> None:

@@ -89,10 +89,9 @@ class RewriteResult(NamedTuple):
 
 
 def enabled_for(headers: Mapping[str, str]) -> bool:
-    """False when the request says ``x-gateway-rewrite: off``; ``on`` or no header means rewrite."""
+    """False when the request says ``x-gateway-rewrite: off``; ``on`` or no header means rewrite. `headers` look
+    names up regardless of case, as the server's do."""
     value = headers.get(OPT_OUT_HEADER)
-    if value is None:  # plain dicts keep the client's spelling; Starlette's Headers are already case-blind
-        value = next((v for k, v in headers.items() if k.lower() == OPT_OUT_HEADER), None)
     if value is None or value.strip().lower() == "on":
         return True
     if value.strip().lower() == "off":

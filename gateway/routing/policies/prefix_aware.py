@@ -136,7 +136,7 @@ class PrefixAware:
 
     def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
         self._turn += 1
-        eligible = self._not_saturated(backends)
+        eligible = self._not_saturated(backends) if len(backends) > 1 else backends
         matches = {id(b): b.index.match(request.hashes) for b in eligible}
         vouched = {id(b): self.session_blocks(b, matches[id(b)], request) for b in eligible} \
             if request.last_visit is not None else {}
