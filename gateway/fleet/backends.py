@@ -7,7 +7,6 @@ each exchange ended (outlier ejection, outlier.py); policies only read. The pool
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +16,7 @@ from typing import Any, Protocol
 from gateway.fleet.engines import Engine, EngineInfo, ModelInfo
 from gateway.fleet.outlier import FAILED_STATUSES, Ejection, Outlier
 from gateway.fleet.upstream import Failure
+from gateway.routing.active_blocks import ActiveBlocks
 from gateway.routing.backlog import PendingPrefill, PrefillBacklog
 from gateway.routing.prefix_index import PrefixIndex
 
@@ -131,7 +131,7 @@ class Backend:
     signals: LoadSignals | None = None
     outlier: Outlier = field(default_factory=Outlier, repr=False)
     backlog: PrefillBacklog = field(default_factory=PrefillBacklog, repr=False)  # ours, before first byte
-    _active_refs: collections.Counter[int] = field(default_factory=collections.Counter, repr=False)
+    active: ActiveBlocks = field(default_factory=ActiveBlocks, repr=False)  # ours in flight, by prompt block
     remote: RemoteLoad = NO_REMOTE_LOAD  # the other instances' share, with shared state
     publisher: Publisher = field(default=NOT_SHARED, repr=False)
 
@@ -153,7 +153,7 @@ class Backend:
     def active_blocks(self) -> int:
         """Distinct prompt blocks of the requests in flight: the KV memory they pin on the engine. A prefix shared
         by many running requests counts once, as it does in the engine's pool."""
-        return len(self._active_refs)
+        return self.active.count
 
     @property
     def prefilling(self) -> int:
@@ -169,7 +169,7 @@ class Backend:
 
     def reserve(self, prefill_tokens: int, hashes: Sequence[int]) -> PendingPrefill:
         self.in_flight += 1
-        self._active_refs.update(hashes)
+        self.active.add(hashes)
         return self.backlog.add(prefill_tokens, time.monotonic())
 
     def prefill_done(self, pending: PendingPrefill) -> None:
@@ -180,13 +180,7 @@ class Backend:
 
     def release(self, hashes: Sequence[int]) -> None:
         self.in_flight = max(0, self.in_flight - 1)
-        refs = self._active_refs
-        for block in hashes:
-            count = refs[block] - 1
-            if count > 0:
-                refs[block] = count
-            else:
-                refs.pop(block, None)
+        self.active.release(hashes)
 
     def answer_started(self) -> None:
         """A good answer began: as good as a success for ejection."""
