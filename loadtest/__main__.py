@@ -162,6 +162,9 @@ def add_cost_arguments(cost: argparse.ArgumentParser) -> None:
     cost.add_argument("--policy", default=CostConfig.policy, help="the gateway's routing policy")
     cost.add_argument("--steps", default=",".join(STEPS), metavar="LIST",
                       help=f"comma-separated steps to measure, of: {', '.join(STEPS)}")
+    cost.add_argument("--system-tokens", type=positive_int, default=CostConfig.system_tokens, metavar="N",
+                      help="tokens (~4 characters each) of the system prompt every request shares; each request "
+                           "adds ~100 of its own (the overhead benchmark's prompts by default)")
     cost.add_argument("--instructions", action="store_true",
                       help="count instructions under valgrind's callgrind (one run per step, ~30x slower) "
                            "instead of timing")
@@ -175,7 +178,8 @@ def command_cost(args: argparse.Namespace) -> int:
         print(f"python -m loadtest cost: unknown steps {', '.join(unknown) or '(none given)'}; known: "
               f"{', '.join(STEPS)}", file=sys.stderr)
         return 2
-    config = CostConfig(requests=args.requests, rounds=args.rounds, policy=args.policy, steps=steps)
+    config = CostConfig(requests=args.requests, rounds=args.rounds, policy=args.policy, steps=steps,
+                        system_tokens=args.system_tokens)
     if args.one_step:
         measure_one_step(args.one_step, config)
         return 0
@@ -185,11 +189,12 @@ def command_cost(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         unit, costs = "instructions", run_instructions(config)
-        print(f"cost: instructions per request counted by callgrind over {config.requests} requests per step")
+        print(f"cost: instructions per request counted by callgrind over {config.requests} requests per step, "
+              f"a {config.system_tokens}-token shared system prompt")
     else:
         unit, costs = "CPU us", run_cpu(config)
         print(f"cost: CPU time per request, medians of {config.rounds} interleaved rounds of {config.requests} "
-              "requests per step")
+              f"requests per step, a {config.system_tokens}-token shared system prompt")
     print(markdown_table(cost_columns(unit), cost_rows(costs)))
     return 0
 

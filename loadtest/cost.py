@@ -32,7 +32,7 @@ from gateway.app import GATEWAY, RELAYED_PATHS, Gateway, create_app
 from gateway.config import build_config
 from gateway.server import tune_gc
 from loadtest.nginx import COMPLETION, MODELS
-from loadtest.wrk import CHAT_PATH, chat_bodies
+from loadtest.wrk import CHAT_PATH, SYSTEM_TOKENS, chat_bodies
 from simulator.fleet import LOOPBACK, free_port
 
 # Each step adds one part of the gateway's request path to the one before it.
@@ -57,6 +57,10 @@ class CostConfig:
     rounds: int = 5
     policy: str = "prefix_aware"
     steps: tuple[str, ...] = tuple(STEPS)
+    system_tokens: int = SYSTEM_TOKENS  # of the prompt every request shares; each adds ~100 tokens of its own
+
+    def bodies(self) -> list[bytes]:
+        return [body.encode() for body in chat_bodies(stream=False, system_tokens=self.system_tokens)]
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -195,7 +199,7 @@ async def cpu_per_request(step: str, config: CostConfig, bodies: Sequence[bytes]
 
 def run_cpu(config: CostConfig) -> dict[str, float]:
     """Median CPU microseconds per request of each step, over interleaved rounds."""
-    bodies = [body.encode() for body in chat_bodies(stream=False)]
+    bodies = config.bodies()
     samples: dict[str, list[float]] = {step: [] for step in config.steps}
 
     async def rounds() -> None:
@@ -215,7 +219,7 @@ def run_instructions(config: CostConfig) -> dict[str, float]:
             out = Path(directory) / f"{step}.callgrind"
             argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
                     sys.executable, "-m", "loadtest", "cost", "--one-step", step, "--requests", str(config.requests),
-                    "--policy", config.policy]
+                    "--policy", config.policy, "--system-tokens", str(config.system_tokens)]
             done = subprocess.run(argv, capture_output=True, text=True, check=False)
             if done.returncode != 0 or not out.exists():
                 raise RuntimeError(f"callgrind run of {step} failed: {done.stderr[-2000:]}")
@@ -237,8 +241,7 @@ def measure_one_step(step: str, config: CostConfig) -> None:
         subprocess.run(["callgrind_control", "--instr=" + ("on" if on else "off"), str(os.getpid())],
                        capture_output=True, check=True)
 
-    bodies = [body.encode() for body in chat_bodies(stream=False)]
-    _run(cpu_per_request(step, config, bodies, instrument))
+    _run(cpu_per_request(step, config, config.bodies(), instrument))
 
 
 def _run(work: Coroutine[None, None, object]) -> None:

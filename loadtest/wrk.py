@@ -34,10 +34,10 @@ def wrk_installed() -> bool:
     return shutil.which("wrk") is not None
 
 
-def chat_bodies(*, stream: bool, count: int = MESSAGES, seed: int = 0) -> list[str]:
+def chat_bodies(*, stream: bool, count: int = MESSAGES, seed: int = 0, system_tokens: int = SYSTEM_TOKENS) -> list[str]:
     """`count` chat request bodies (JSON): one system prompt, then a different user message in each."""
     rng = random.Random(seed)
-    system = words_text(rng, SYSTEM_TOKENS)
+    system = words_text(rng, system_tokens)
     bodies = []
     for index in range(count):
         user = f"request {index}: " + words_text(rng, USER_TOKENS)

@@ -13,7 +13,7 @@ from loadtest.cost import STEPS, CostConfig, callgrind_total, cost_rows, run_cpu
 
 
 def test_every_step_relays_the_benchmark_requests() -> None:
-    costs = run_cpu(CostConfig(requests=48, rounds=1))
+    costs = run_cpu(CostConfig(requests=48, rounds=1, system_tokens=40))
     assert list(costs) == list(STEPS)
     assert all(cost > 0 for cost in costs.values())
 
