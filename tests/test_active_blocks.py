@@ -1,4 +1,4 @@
-"""The distinct blocks of the requests in flight, kept by bisection over chained prompts, agree with a plain count
+"""The distinct blocks of the requests in flight, kept as a tree of the running prompts, agree with a plain count
 of every block's requests, whatever the order in which requests that share prefixes start and end."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_the_count_is_that_of_the_blocks_some_request_runs_through(steps: list[t
     for hashes in running:
         active.release(hashes)
     assert active.count == 0
-    assert not active._added and not active._released  # nothing kept for blocks no request runs through
+    assert not active._blocks  # nothing kept for blocks no request runs through
 
 
 def test_a_new_turn_behind_a_running_history_adds_only_its_own_blocks() -> None:

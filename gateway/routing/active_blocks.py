@@ -1,49 +1,63 @@
 """The distinct prompt blocks of the requests in flight on one backend: the KV memory they pin on the engine, where
 a prefix shared by several running requests is held once (prefix_aware's `active_tokens` term).
 
-Each block's number of requests through it is `added - released`, two counters that a request's whole prompt
-updates at C speed. Along a prompt's chained hashes (`hashing.py`) that number never grows: every request through
-a block passes through its parent too. So the blocks one request makes active, or idle when it ends, are a suffix
-of its prompt, found by bisection, and only they are touched one by one: a conversation's new turn behind a long
-shared history costs its own few blocks, not the history's hundreds.
+The running prompts form a tree: a block's chained hash (`hashing.py`) names its whole prefix, so the block before
+it in a prompt is its parent. A block is active while a request ends at it or one of the blocks right after it is
+active; each active block keeps those two counts, and nothing is kept for the others. A request that starts
+marks its last block and walks towards the root only until it meets an active block; one that ends walks back
+only as far as blocks turn idle. So a request costs the blocks no other running request holds: a conversation's
+new turn behind a long history that other requests keep running costs its own few blocks, not the history's
+hundreds.
 """
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
+
+_ENDING, _CONTINUED = 0, 1  # a block's counts: requests ending at it, active blocks right after it
 
 
 class ActiveBlocks:
     def __init__(self) -> None:
-        self._added: collections.Counter[int] = collections.Counter()
-        self._released: collections.Counter[int] = collections.Counter()
-        self.count = 0  # blocks with at least one request through them
+        self._blocks: dict[int, list[int]] = {}  # active block -> its two counts
+        self.count = 0
 
     def add(self, hashes: Sequence[int]) -> None:
         """A request with this prompt started."""
-        self._added.update(hashes)
-        self.count += len(hashes) - self._first_below(hashes, 2)  # its blocks no other request runs through
+        if not hashes:
+            return
+        blocks = self._blocks
+        last = blocks.get(hashes[-1])
+        if last is not None:  # active already, and so is everything before it
+            last[_ENDING] += 1
+            return
+        blocks[hashes[-1]] = [1, 0]
+        added = 1
+        for position in range(len(hashes) - 2, -1, -1):
+            block = blocks.get(hashes[position])
+            if block is not None:
+                block[_CONTINUED] += 1
+                break
+            blocks[hashes[position]] = [0, 1]
+            added += 1
+        self.count += added
 
     def release(self, hashes: Sequence[int]) -> None:
         """A request with this prompt (one that was added) ended."""
-        self._released.update(hashes)
-        idle = self._first_below(hashes, 1)
-        self.count -= len(hashes) - idle
-        added, released = self._added, self._released
-        for block in hashes[idle:]:
-            added.pop(block, None)
-            released.pop(block, None)
-
-    def _first_below(self, hashes: Sequence[int], requests: int) -> int:
-        """The first position of `hashes` whose block fewer than `requests` requests run through."""
-        added, released = self._added, self._released
-        low, high = 0, len(hashes)
-        while low < high:
-            middle = (low + high) // 2
-            block = hashes[middle]
-            if added[block] - released[block] >= requests:
-                low = middle + 1
-            else:
-                high = middle
-        return low
+        blocks = self._blocks
+        last = blocks.get(hashes[-1]) if hashes else None
+        if last is None:
+            return
+        last[_ENDING] -= 1
+        if last[_ENDING] or last[_CONTINUED]:
+            return
+        del blocks[hashes[-1]]
+        removed = 1
+        for position in range(len(hashes) - 2, -1, -1):
+            block = blocks[hashes[position]]
+            block[_CONTINUED] -= 1
+            if block[_ENDING] or block[_CONTINUED]:
+                break
+            del blocks[hashes[position]]
+            removed += 1
+        self.count -= removed
