@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway.fleet.backends import Backend
 from gateway.fleet.pool import Pool
-from gateway.routing.hashing import ROOT_SEED, block_hashes, namespace_seed
+from gateway.routing.hashing import ROOT_SEED, PrefixHashes, namespace_seed
 from gateway.routing.policies import Decision, PolicyConfig, Route, RoutingRequest
 from gateway.routing.policies.basic import least_loaded
 from gateway.routing.policies.registry import DEFAULT_POLICY, default_config, make_policy
@@ -123,6 +123,7 @@ class Router:
         self.sessions = Sessions(config.session_max_keys, config.session_ttl_s) \
             if config.policy_config.follows_sessions else None
         self._seeds: dict[str, int] = {}  # model name -> its block-hash seed, hashed once per name
+        self._hashes = PrefixHashes(config.block_chars)
 
     def seed_of(self, model: str) -> int:
         """The block-hash seed of `model` (hashing.py `namespace_seed`), computed once per name. Names come only
@@ -138,7 +139,7 @@ class Router:
     def routing_request(self, text: str, model: str | None = None, session: str | None = None) -> RoutingRequest:
         """The request as policies see it; `session` is the client's session key, if it sent one."""
         seed = self.seed_of(model) if model else ROOT_SEED
-        return RoutingRequest(block_hashes(text, self.config.block_chars, seed), len(text),
+        return RoutingRequest(self._hashes.of(text, seed), len(text),
                               self.config.block_chars, self.config.chars_per_token,
                               None if session is None or self.sessions is None else key_hash(session))
 
