@@ -46,7 +46,7 @@ STEPS = {
     "forward": "+ forward: the client's headers, the retry loop, timeouts",
     "full": "+ relay and record: the answer's headers and usage, metrics, the access line",
 }
-CONCURRENCY = 8  # requests in flight at once: enough to interleave them, as under load
+CONCURRENCY = 8  # clients, each with one request in flight: enough to interleave them, as under load
 WARMUP_REQUESTS = 400
 _JSON = aiohttp.hdrs.CONTENT_TYPE, "application/json"
 
@@ -167,26 +167,29 @@ async def cpu_per_request(step: str, config: CostConfig, bodies: Sequence[bytes]
     backend, backend_url = await serve(zero_cost_backend())
     runner, url = await serve(front(step, backend_url, config.policy))
     try:
-        async with aiohttp.ClientSession() as client:
+        async with aiohttp.ClientSession() as session:
             sent = 0
 
             async def one() -> None:
                 nonlocal sent
                 sent += 1
-                async with client.post(url + CHAT_PATH, data=bodies[sent % len(bodies)], headers=[_JSON]) as answer:
+                async with session.post(url + CHAT_PATH, data=bodies[sent % len(bodies)], headers=[_JSON]) as answer:
                     await answer.read()
                     if answer.status != 200:
                         raise RuntimeError(f"{step}: answered {answer.status}: {await answer.text()}")
 
-            async def batches(count: int) -> None:
-                for _ in range(count // CONCURRENCY):
-                    await asyncio.gather(*(one() for _ in range(CONCURRENCY)))
+            async def client(count: int) -> None:
+                for _ in range(count):
+                    await one()
 
-            await batches(WARMUP_REQUESTS)
+            async def rolling(count: int) -> None:  # each client sends its next request when the last ends
+                await asyncio.gather(*(client(count // CONCURRENCY) for _ in range(CONCURRENCY)))
+
+            await rolling(WARMUP_REQUESTS)
             await tune_gc(runner.app)
             on_measure(True)
             started = time.process_time()
-            await batches(config.requests)
+            await rolling(config.requests)
             spent = time.process_time() - started
             on_measure(False)
     finally:
