@@ -107,18 +107,19 @@ def bare_relay(backend_url: str) -> web.Application:
     session: list[aiohttp.ClientSession] = []
 
     async def relay(request: web.Request) -> web.Response:
-        if not session:
-            session.append(aiohttp.ClientSession())
         async with session[0].post(backend_url + request.path, data=await request.read(),
                                    headers=[_JSON]) as answer:
             return web.Response(body=await answer.read(), status=answer.status, content_type="application/json")
 
-    async def close(app: web.Application) -> None:
-        if session:
-            await session[0].close()
+    async def open_session(app: web.Application) -> None:  # in the running loop
+        session.append(aiohttp.ClientSession())
+
+    async def close_session(app: web.Application) -> None:
+        await session[0].close()
 
     app.router.add_post(CHAT_PATH, relay)
-    app.on_cleanup.append(close)
+    app.on_startup.append(open_session)
+    app.on_cleanup.append(close_session)
     return app
 
 
@@ -261,7 +262,7 @@ def cost_rows(costs: dict[str, float]) -> list[list[str]]:
     rows: list[list[str]] = []
     previous = None
     for step, cost in costs.items():
-        added = "" if previous is None else f"{cost - previous:+,.0f}"
+        added = "" if previous is None else f"{round(cost) - round(previous):+,}"
         rows.append([step, STEPS[step], f"{cost:,.0f}", added])
         previous = cost
     return rows
