@@ -32,3 +32,10 @@ def test_a_conversations_next_turn_resumes_from_its_history() -> None:
     assert memo.of(turn) == block_hashes(turn)
     assert remembered.items() <= memo._chains.items()  # the history's checkpoints served, and stay
     assert len(memo._chains) == len(turn) // (64 * PrefixHashes.CHECKPOINT_BLOCKS)
+
+
+def test_a_giant_prompt_is_hashed_as_block_hashes_does_without_being_remembered() -> None:
+    memo = PrefixHashes(64)
+    giant = "a long shared document " * 50_000  # 1.15 M characters: past the one-copy encoding bound
+    assert memo.of(giant) == block_hashes(giant)
+    assert not memo._chains

@@ -83,7 +83,7 @@ class PrefixHashes:
 
     def of(self, text: str, seed: int = ROOT_SEED) -> list[int]:
         step = self.block_chars * self.CHECKPOINT_BLOCKS
-        if len(text) < step:
+        if not step <= len(text) <= _ENCODE_CHARS:  # too short to hold a checkpoint, or a giant kept off memory
             return block_hashes(text, self.block_chars, seed)
         ascii_bytes = memoryview(text.encode("ascii")) if text.isascii() else None  # sliced without copies
         digest = xxhash.xxh3_128(seed=seed)
