@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from gateway.routing.policies.registry import POLICIES
 from loadtest.compare import compare
 from loadtest.cost import STEPS, CostConfig, cost_columns, cost_rows, measure_one_step, run_cpu, run_instructions
 from loadtest.fronts import DEFAULT_FRONTS, FRONTS, front_names, missing
@@ -159,7 +160,8 @@ def add_cost_arguments(cost: argparse.ArgumentParser) -> None:
                       help="measured requests per step and round, after a warm-up")
     cost.add_argument("--rounds", type=positive_int, default=CostConfig.rounds,
                       help="interleaved rounds over the steps; each figure is the median (CPU time only)")
-    cost.add_argument("--policy", default=CostConfig.policy, help="the gateway's routing policy")
+    cost.add_argument("--policy", default=CostConfig.policy, choices=list(POLICIES),
+                      help="the gateway's routing policy")
     cost.add_argument("--steps", default=",".join(STEPS), metavar="LIST",
                       help=f"comma-separated steps to measure, of: {', '.join(STEPS)}")
     cost.add_argument("--system-tokens", type=positive_int, default=CostConfig.system_tokens, metavar="N",
