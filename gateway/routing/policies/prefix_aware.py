@@ -136,7 +136,7 @@ class PrefixAware:
 
     def choose(self, backends: Sequence[Backend], request: RoutingRequest) -> Decision:
         self._turn += 1
-        eligible = self._not_saturated(backends) if len(backends) > 1 else backends
+        eligible = self._not_saturated(backends)
         matches = {id(b): b.index.match(request.hashes) for b in eligible}
         vouched = {id(b): self.session_blocks(b, matches[id(b)], request) for b in eligible} \
             if request.last_visit is not None else {}
@@ -211,7 +211,9 @@ class PrefixAware:
         return min(rotated, key=lambda b: (self.cost(b, matches[id(b)], request, vouched.get(id(b), 0)),
                                            b.index.size_blocks / b.index.capacity_blocks))
 
-    def _not_saturated(self, backends: Sequence[Backend]) -> list[Backend]:
+    def _not_saturated(self, backends: Sequence[Backend]) -> Sequence[Backend]:
+        if len(backends) == 1:  # a lone backend is the least loaded one: nothing to compare (a sidecar's case)
+            return backends
         low = min(backend.fleet_in_flight for backend in backends)
         gap, factor = self.config.balance_abs_threshold, self.config.balance_rel_threshold
         return [b for b in backends if not (b.fleet_in_flight - low > gap and b.fleet_in_flight > low * factor)]
