@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +28,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.api.prompts import routing_text
-from gateway.app import GATEWAY, RELAYED_PATHS, Gateway, create_app
+from gateway.app import GATEWAY, RELAYED_PATHS, Gateway, Handler, create_app
 from gateway.config import build_config
 from gateway.server import tune_gc
 from loadtest.nginx import COMPLETION, MODELS
@@ -61,9 +61,6 @@ class CostConfig:
 
     def bodies(self) -> list[bytes]:
         return [body.encode() for body in chat_bodies(stream=False, system_tokens=self.system_tokens)]
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def cut_after(gateway: Gateway, step: str) -> Handler:

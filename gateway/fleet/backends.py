@@ -131,7 +131,7 @@ class Backend:
     signals: LoadSignals | None = None
     outlier: Outlier = field(default_factory=Outlier, repr=False)
     backlog: PrefillBacklog = field(default_factory=PrefillBacklog, repr=False)  # ours, before first byte
-    active: ActiveBlocks = field(default_factory=ActiveBlocks, repr=False)  # ours in flight, by prompt block
+    _active: ActiveBlocks = field(default_factory=ActiveBlocks, repr=False)  # ours in flight, by prompt block
     remote: RemoteLoad = NO_REMOTE_LOAD  # the other instances' share, with shared state
     publisher: Publisher = field(default=NOT_SHARED, repr=False)
 
@@ -153,7 +153,7 @@ class Backend:
     def active_blocks(self) -> int:
         """Distinct prompt blocks of the requests in flight: the KV memory they pin on the engine. A prefix shared
         by many running requests counts once, as it does in the engine's pool."""
-        return self.active.count
+        return self._active.count
 
     @property
     def prefilling(self) -> int:
@@ -169,7 +169,7 @@ class Backend:
 
     def reserve(self, prefill_tokens: int, hashes: Sequence[int]) -> PendingPrefill:
         self.in_flight += 1
-        self.active.add(hashes)
+        self._active.add(hashes)
         return self.backlog.add(prefill_tokens, time.monotonic())
 
     def prefill_done(self, pending: PendingPrefill) -> None:
@@ -180,7 +180,7 @@ class Backend:
 
     def release(self, hashes: Sequence[int]) -> None:
         self.in_flight = max(0, self.in_flight - 1)
-        self.active.release(hashes)
+        self._active.release(hashes)
 
     def answer_started(self) -> None:
         """A good answer began: as good as a success for ejection."""
