@@ -167,6 +167,9 @@ def add_cost_arguments(cost: argparse.ArgumentParser) -> None:
     cost.add_argument("--system-tokens", type=positive_int, default=CostConfig.system_tokens, metavar="N",
                       help="tokens (~4 characters each) of the system prompt every request shares; each request "
                            "adds ~100 of its own (the overhead benchmark's prompts by default)")
+    cost.add_argument("--new-prompts", action="store_true",
+                      help="give every request a message of its own, new to the gateway as a conversation's next "
+                           "turn is, instead of repeating the overhead benchmark's 300")
     cost.add_argument("--instructions", action="store_true",
                       help="count instructions under valgrind's callgrind (one run per step, ~30x slower) "
                            "instead of timing")
@@ -181,7 +184,7 @@ def command_cost(args: argparse.Namespace) -> int:
               f"{', '.join(STEPS)}", file=sys.stderr)
         return 2
     config = CostConfig(requests=args.requests, rounds=args.rounds, policy=args.policy, steps=steps,
-                        system_tokens=args.system_tokens)
+                        system_tokens=args.system_tokens, new_prompts=args.new_prompts)
     if args.one_step:
         measure_one_step(args.one_step, config)
         return 0
@@ -192,13 +195,17 @@ def command_cost(args: argparse.Namespace) -> int:
             return 2
         unit, costs = "instructions", run_instructions(config)
         print(f"cost: instructions per request counted by callgrind over {config.requests} requests per step, "
-              f"a {config.system_tokens}-token shared system prompt")
+              f"a {config.system_tokens}-token shared system prompt{prompts_note(config)}")
     else:
         unit, costs = "CPU us", run_cpu(config)
         print(f"cost: CPU time per request, medians of {config.rounds} interleaved rounds of {config.requests} "
-              f"requests per step, a {config.system_tokens}-token shared system prompt")
+              f"requests per step, a {config.system_tokens}-token shared system prompt{prompts_note(config)}")
     print(markdown_table(cost_columns(unit), cost_rows(costs)))
     return 0
+
+
+def prompts_note(config: CostConfig) -> str:
+    return ", each request's message new" if config.new_prompts else ""
 
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:

@@ -32,7 +32,7 @@ from gateway.app import GATEWAY, RELAYED_PATHS, Gateway, Handler, create_app
 from gateway.config import build_config
 from gateway.server import tune_gc
 from loadtest.nginx import COMPLETION, MODELS
-from loadtest.wrk import CHAT_PATH, SYSTEM_TOKENS, chat_bodies
+from loadtest.wrk import CHAT_PATH, MESSAGES, SYSTEM_TOKENS, chat_bodies
 from simulator.fleet import LOOPBACK, free_port
 
 # Each step adds one part of the gateway's request path to the one before it.
@@ -58,9 +58,18 @@ class CostConfig:
     policy: str = "prefix_aware"
     steps: tuple[str, ...] = tuple(STEPS)
     system_tokens: int = SYSTEM_TOKENS  # of the prompt every request shares; each adds ~100 tokens of its own
+    # Each request's own message new to the gateway, as a conversation's next turn is: its blocks are recorded
+    # as new ones. By default the overhead benchmark's 300 messages repeat, and after the warm-up all are known.
+    new_prompts: bool = False
 
     def bodies(self) -> list[bytes]:
-        return [body.encode() for body in chat_bodies(stream=False, system_tokens=self.system_tokens)]
+        count = WARMUP_REQUESTS + self.requests + 1 if self.new_prompts else MESSAGES
+        return [body.encode() for body in chat_bodies(stream=False, count=count, system_tokens=self.system_tokens)]
+
+    def child_arguments(self) -> list[str]:
+        """This configuration on a `python -m loadtest cost` command line."""
+        return ["--requests", str(self.requests), "--policy", self.policy, "--system-tokens",
+                str(self.system_tokens), *(["--new-prompts"] if self.new_prompts else [])]
 
 
 def cut_after(gateway: Gateway, step: str) -> Handler:
@@ -219,8 +228,7 @@ def run_instructions(config: CostConfig) -> dict[str, float]:
         for step in config.steps:
             out = Path(directory) / f"{step}.callgrind"
             argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-                    sys.executable, "-m", "loadtest", "cost", "--one-step", step, "--requests", str(config.requests),
-                    "--policy", config.policy, "--system-tokens", str(config.system_tokens)]
+                    sys.executable, "-m", "loadtest", "cost", "--one-step", step, *config.child_arguments()]
             done = subprocess.run(argv, capture_output=True, text=True, check=False)
             if done.returncode != 0 or not out.exists():
                 raise RuntimeError(f"callgrind run of {step} failed: {done.stderr[-2000:]}")

@@ -5,11 +5,12 @@ instruction count itself needs valgrind and runs only when it is installed."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import pytest
 
 from loadtest import __main__ as loadtest_main
-from loadtest.cost import STEPS, CostConfig, callgrind_total, cost_rows, run_cpu, run_instructions
+from loadtest.cost import STEPS, WARMUP_REQUESTS, CostConfig, callgrind_total, cost_rows, run_cpu, run_instructions
 
 
 def test_every_step_relays_the_benchmark_requests() -> None:
@@ -42,3 +43,12 @@ def test_instructions_are_counted_for_the_measured_requests_only() -> None:
     # A bare relay with its client and backend in one process: about a million instructions a request here,
     # far below what start-up and the warm-up would add if they were counted.
     assert 1e5 < counts["relay"] < 1e7
+
+
+def test_new_prompts_give_every_request_a_message_the_gateway_has_not_seen() -> None:
+    config = CostConfig(requests=32, new_prompts=True, system_tokens=40)
+    bodies = config.bodies()
+    assert len(set(bodies)) == len(bodies) > WARMUP_REQUESTS + 32  # none repeats in a run
+    assert run_cpu(replace(config, rounds=1, steps=("relay", "full")))["full"] > 0
+    assert config.child_arguments()[-1] == "--new-prompts"
+    assert CostConfig(requests=32).bodies() == CostConfig(requests=8000).bodies()  # by default the 300 repeat
