@@ -130,9 +130,7 @@ class PrefixIndex:
         if present == len(hashes):
             self._touch(self._nodes[hashes[-1]], tick)
         else:
-            parent = self._nodes[hashes[present - 1]] if present else None
-            for key in hashes[present:]:
-                parent = self._add_child(parent, key, tick)
+            self._add_chain(self._nodes[hashes[present - 1]] if present else None, hashes[present:], tick)
         self._evict_down_to(self._capacity)
 
     def truncate(self, hashes: Sequence[int], keep_blocks: int) -> int:
@@ -164,17 +162,20 @@ class PrefixIndex:
         self._roots.clear()
         self._leaves.clear()
 
-    def _add_child(self, parent: _Node | None, key: int, tick: int) -> _Node:
-        node = _Node(key, parent, tick)
-        self._nodes[key] = node
+    def _add_chain(self, parent: _Node | None, keys: Sequence[int], tick: int) -> None:
+        """Hang `keys` below `parent` (None: as a new root) one after the other. Only the last is a leaf, so the
+        leaf list changes once for the chain, not twice a block: a conversation's turn adds tens of blocks."""
         if parent is None:
-            self._roots.add(key)
-        else:
-            if parent.child is None:
-                self._leaves.remove((parent.last_access, parent.key))
-            parent.add_child(key)
-        self._leaves.add((tick, key))
-        return node
+            self._roots.add(keys[0])
+        elif parent.child is None:
+            self._leaves.remove((parent.last_access, parent.key))
+        nodes = self._nodes
+        for key in keys:
+            node = nodes[key] = _Node(key, parent, tick)
+            if parent is not None:
+                parent.add_child(key)
+            parent = node
+        self._leaves.add((tick, keys[-1]))
 
     def _touch(self, node: _Node, tick: int) -> None:
         if node.child is None:
@@ -183,22 +184,39 @@ class PrefixIndex:
         node.last_access = tick
 
     def _evict_down_to(self, capacity: int) -> None:
-        while len(self._nodes) > capacity:
-            _, key = self._leaves[0]
-            self._remove_leaf(self._nodes[key])
+        """Evict least recently used leaves down to `capacity` nodes. A parent left without children that is
+        older than every listed leaf would be the next one out: it goes at once, without entering the leaf
+        list, so an old prompt leaves in one walk up its chain."""
+        nodes, leaves = self._nodes, self._leaves
+        while len(nodes) > capacity:
+            _, key = leaves.pop(0)
+            parent = self._unlink(nodes[key])
             self.evicted_blocks += 1
+            while parent is not None:
+                entry = (parent.last_access, parent.key)
+                if len(nodes) <= capacity or (leaves and leaves[0] < entry):
+                    leaves.add(entry)
+                    break
+                parent = self._unlink(parent)
+                self.evicted_blocks += 1
 
     def _remove_leaf(self, node: _Node) -> None:
         self._leaves.remove((node.last_access, node.key))
+        parent = self._unlink(node)
+        if parent is not None:
+            self._leaves.add((parent.last_access, parent.key))
+
+    def _unlink(self, node: _Node) -> _Node | None:
+        """Forget leaf `node`, which the leaf list no longer holds; its parent when that is now a leaf (and not
+        listed yet), else None."""
         del self._nodes[node.key]
         parent = node.parent
         if parent is None:
             self._roots.discard(node.key)
-            return
+            return None
         parent.remove_child(node.key)
         parent.last_access = max(parent.last_access, node.last_access)  # its prefix was used that recently
-        if parent.child is None:
-            self._leaves.add((parent.last_access, parent.key))
+        return parent if parent.child is None else None
 
     def _remove_subtree(self, top: _Node) -> int:
         removed = 0
