@@ -195,17 +195,13 @@ def command_cost(args: argparse.Namespace) -> int:
             return 2
         unit, costs = "instructions", run_instructions(config)
         print(f"cost: instructions per request counted by callgrind over {config.requests} requests per step, "
-              f"a {config.system_tokens}-token shared system prompt{prompts_note(config)}")
+              f"{config.prompts()}")
     else:
         unit, costs = "CPU us", run_cpu(config)
         print(f"cost: CPU time per request, medians of {config.rounds} interleaved rounds of {config.requests} "
-              f"requests per step, a {config.system_tokens}-token shared system prompt{prompts_note(config)}")
+              f"requests per step, {config.prompts()}")
     print(markdown_table(cost_columns(unit), cost_rows(costs)))
     return 0
-
-
-def prompts_note(config: CostConfig) -> str:
-    return ", each request's message new" if config.new_prompts else ""
 
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:

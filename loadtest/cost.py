@@ -66,6 +66,11 @@ class CostConfig:
         count = WARMUP_REQUESTS + self.requests + 1 if self.new_prompts else MESSAGES
         return [body.encode() for body in chat_bodies(stream=False, count=count, system_tokens=self.system_tokens)]
 
+    def prompts(self) -> str:
+        """The prompts, as the printed table's heading names them."""
+        return f"a {self.system_tokens}-token shared system prompt" + (
+            ", each request's message new" if self.new_prompts else "")
+
     def child_arguments(self) -> list[str]:
         """This configuration on a `python -m loadtest cost` command line."""
         return ["--requests", str(self.requests), "--policy", self.policy, "--system-tokens",
