@@ -220,7 +220,7 @@ def peak_rss_growth_kib(process: Process, action: Callable[[], object]) -> int:
 
 
 def test_a_30_mb_prompt_costs_a_bounded_multiple_of_its_size_in_flight(fleet: Fleet) -> None:
-    # A small index keeps what the prompt's blocks add to it (~330 B a block, up to a quarter of the index) out
+    # A small index keeps what the prompt's blocks add to it (~200 B a block, up to a quarter of the index) out
     # of the measure: that stays after the request, bounded by --max-tree-size.
     with capture_backend() as (url, captured):
         gateway = fleet.start_gateway([url], args=[*FAST_GATEWAY, "--max-tree-size", "64000"])

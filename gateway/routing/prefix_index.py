@@ -1,9 +1,11 @@
 """The gateway's model of one backend's prefix cache: a radix tree over chained block hashes, LRU-bounded.
 
 Each node is one block of some cached prompt; its key is the block's chained hash (see `hashing.py`), so the
-key names the whole path from the root and the tree can be stored as a dict of nodes with parent links:
+key names the whole path from the root and the tree can be stored as dicts keyed by block with parent links:
 matching a prompt is one dict probe per block, and two prompts that diverge inside a block simply have
-different children. Unlike a character-level radix tree there is nothing to split.
+different children. Unlike a character-level radix tree there is nothing to split. The dicts hold ints only,
+which Python's garbage collector does not track: with an object per block, a full collection over an index of
+800,000 blocks stalled the event loop for ~100 ms, and an index may hold a million.
 
 Bounded like the engine's own cache: at most `capacity_blocks` nodes. When an insert would exceed it, the least
 recently used *leaf* goes first, as in SGLang's radix cache. A node's recency is the last use of any prompt
@@ -27,39 +29,12 @@ from sortedcontainers import SortedList
 MAX_RECORD_SHARE = 0.25
 
 
-class _Node:
-    __slots__ = ("key", "parent", "child", "more_children", "last_access", "created")
-
-    def __init__(self, key: int, parent: _Node | None, tick: int) -> None:
-        self.key = key
-        self.parent = parent
-        # A prompt's blocks form a chain, so most nodes have one child: it is kept inline, and a set is made only
-        # where prompts branch. A set per node (216 bytes even empty) was two thirds of a block's ~330 bytes.
-        self.child: int | None = None  # None: a leaf (and then `more_children` is None too)
-        self.more_children: set[int] | None = None
-        self.last_access = tick
-        self.created = tick
-
-    def children(self) -> list[int]:
-        if self.child is None:
-            return []
-        return [self.child] if self.more_children is None else [self.child, *self.more_children]
-
-    def add_child(self, key: int) -> None:
-        if self.child is None:
-            self.child = key
-        elif self.more_children is None:
-            self.more_children = {key}
-        else:
-            self.more_children.add(key)
-
-    def remove_child(self, key: int) -> None:
-        if self.child == key:
-            self.child = self.more_children.pop() if self.more_children else None
-        elif self.more_children is not None:
-            self.more_children.discard(key)
-        if not self.more_children:
-            self.more_children = None
+_NO_PARENT = -1  # the parent of a prompt's first block: block hashes are unsigned, so no block is -1
+# A block's creation and last use as one int, created << _TIME_BITS | last use: a dict of them stays untracked,
+# and the blocks a prompt adds at once share one. Clock ticks stay far below 2**64.
+_TIME_BITS = 64
+_LAST_USE = (1 << _TIME_BITS) - 1
+_CREATED = ~_LAST_USE
 
 
 class PrefixIndex:
@@ -71,14 +46,18 @@ class PrefixIndex:
         self._capacity = capacity_blocks
         # One clock shared by all backends' indexes makes `created_at` comparable across them.
         self._clock = clock or itertools.count(1).__next__
-        self._nodes: dict[int, _Node] = {}
-        self._roots: set[int] = set()
-        self._leaves: SortedList = SortedList()  # (last_access, key) of nodes without children
+        self._parent: dict[int, int] = {}  # block -> the block before it (_NO_PARENT for a prompt's first)
+        # A prompt's blocks form a chain, so most blocks have one child: `_child` holds it (a leaf has none), and
+        # a set of the others is made only where prompts branch.
+        self._child: dict[int, int] = {}
+        self._more_children: dict[int, set[int]] = {}
+        self._times: dict[int, int] = {}  # block -> its creation and last use (`_TIME_BITS`)
+        self._leaves: SortedList = SortedList()  # (last use, block) of blocks without children
         self.evicted_blocks = 0  # blocks pushed out by the LRU bound so far: how much newer content came in
 
     @property
     def size_blocks(self) -> int:
-        return len(self._nodes)
+        return len(self._parent)
 
     @property
     def capacity_blocks(self) -> int:
@@ -100,11 +79,11 @@ class PrefixIndex:
         The blocks present are always a leading run of `hashes`: a block's chained hash names its whole prefix,
         and the index never holds a block without its parent (it evicts leaves and forgets whole subtrees). So
         the end of the run is found by bisection, a few dict probes for a prompt of hundreds of blocks."""
-        nodes = self._nodes
+        blocks = self._parent
         low, high = 0, len(hashes)  # hashes[:low] are present, hashes[high:] are not
         while low < high:
             middle = (low + high) // 2
-            if hashes[middle] in nodes:
+            if hashes[middle] in blocks:
                 low = middle + 1
             else:
                 high = middle
@@ -112,13 +91,12 @@ class PrefixIndex:
 
     def is_leaf(self, key: int) -> bool:
         """Whether block `key` is cached and no cached prompt continues past it."""
-        node = self._nodes.get(key)
-        return node is not None and node.child is None
+        return key in self._parent and key not in self._child
 
     def created_at(self, key: int) -> int:
         """Clock value at which the block `key` was first inserted (0 when absent)."""
-        node = self._nodes.get(key)
-        return node.created if node else 0
+        times = self._times.get(key)
+        return times >> _TIME_BITS if times is not None else 0
 
     def insert(self, hashes: Sequence[int]) -> None:
         """Record that the backend now caches this prompt: add the blocks it lacks, mark the prompt used."""
@@ -128,9 +106,9 @@ class PrefixIndex:
         tick = self._clock()
         present = self.match(hashes)
         if present == len(hashes):
-            self._touch(self._nodes[hashes[-1]], tick)
+            self._touch(hashes[-1], tick)
         else:
-            self._add_chain(self._nodes[hashes[present - 1]] if present else None, hashes[present:], tick)
+            self._add_chain(hashes[present - 1] if present else _NO_PARENT, hashes[present:], tick)
         self._evict_down_to(self._capacity)
 
     def truncate(self, hashes: Sequence[int], keep_blocks: int) -> int:
@@ -139,9 +117,9 @@ class PrefixIndex:
         Used when the backend reports fewer cached tokens than the index predicted: it evicted that part.
         Returns the number of nodes removed.
         """
-        if keep_blocks >= len(hashes) or hashes[keep_blocks] not in self._nodes:
+        if keep_blocks >= len(hashes) or hashes[keep_blocks] not in self._parent:
             return 0
-        return self._remove_subtree(self._nodes[hashes[keep_blocks]])
+        return self._remove_subtree(hashes[keep_blocks])
 
     def paths(self) -> list[list[int]]:
         """Every cached prompt as its root-to-leaf hashes, least recently used first: inserted in this order into
@@ -149,103 +127,119 @@ class PrefixIndex:
         paths = []
         for _, key in self._leaves:
             path = []
-            node: _Node | None = self._nodes[key]
-            while node is not None:
-                path.append(node.key)
-                node = node.parent
+            while key != _NO_PARENT:
+                path.append(key)
+                key = self._parent[key]
             path.reverse()
             paths.append(path)
         return paths
 
     def clear(self) -> None:
-        self._nodes.clear()
-        self._roots.clear()
+        for table in (self._parent, self._child, self._more_children, self._times):
+            table.clear()
         self._leaves.clear()
 
-    def _add_chain(self, parent: _Node | None, keys: Sequence[int], tick: int) -> None:
-        """Hang `keys` below `parent` (None: as a new root) one after the other. Only the last is a leaf, so the
-        leaf list changes once for the chain, not twice a block: a conversation's turn adds tens of blocks."""
-        if parent is None:
-            self._roots.add(keys[0])
-        elif parent.child is None:
-            self._leaves.remove((parent.last_access, parent.key))
-        nodes = self._nodes
-        for key in keys:
-            node = nodes[key] = _Node(key, parent, tick)
-            if parent is not None:
-                parent.add_child(key)
-            parent = node
-        self._leaves.add((tick, keys[-1]))
+    def _children(self, key: int) -> list[int]:
+        child = self._child.get(key)
+        if child is None:
+            return []
+        return [child, *self._more_children.get(key, ())]
 
-    def _touch(self, node: _Node, tick: int) -> None:
-        if node.child is None:
-            self._leaves.remove((node.last_access, node.key))
-            self._leaves.add((tick, node.key))
-        node.last_access = tick
+    def _add_chain(self, parent: int, keys: Sequence[int], tick: int) -> None:
+        """Hang `keys` below `parent` (_NO_PARENT: as a new root) one after the other. Only the last is a leaf, so
+        the leaf list changes once for the chain, not twice a block: a conversation's turn adds tens of blocks."""
+        if parent != _NO_PARENT:
+            if parent not in self._child:  # a leaf until now
+                self._leaves.remove((self._times[parent] & _LAST_USE, parent))
+                self._child[parent] = keys[0]
+            else:
+                self._more_children.setdefault(parent, set()).add(keys[0])
+        parents, children, times = self._parent, self._child, self._times
+        created = tick << _TIME_BITS | tick
+        previous = parent
+        for key in keys:
+            parents[key] = previous
+            times[key] = created
+            if previous != parent:
+                children[previous] = key
+            previous = key
+        self._leaves.add((tick, previous))
+
+    def _touch(self, key: int, tick: int) -> None:
+        times = self._times[key]
+        if key not in self._child:
+            self._leaves.remove((times & _LAST_USE, key))
+            self._leaves.add((tick, key))
+        self._times[key] = times & _CREATED | tick
 
     def _evict_down_to(self, capacity: int) -> None:
-        """Evict least recently used leaves down to `capacity` nodes. A parent left without children that is
+        """Evict least recently used leaves down to `capacity` blocks. A parent left without children that is
         older than every listed leaf would be the next one out: it goes at once, without entering the leaf
         list, so an old prompt leaves in one walk up its chain."""
-        nodes, leaves = self._nodes, self._leaves
-        while len(nodes) > capacity:
+        blocks, leaves = self._parent, self._leaves
+        while len(blocks) > capacity:
             _, key = leaves.pop(0)
-            parent = self._unlink(nodes[key])
+            next_out = leaves[0] if leaves else None  # the walk below leaves the list as it is
+            parent = self._unlink(key)
             self.evicted_blocks += 1
-            while parent is not None:
-                entry = (parent.last_access, parent.key)
-                if len(nodes) <= capacity or (leaves and leaves[0] < entry):
+            while parent != _NO_PARENT:
+                entry = (self._times[parent] & _LAST_USE, parent)
+                if len(blocks) <= capacity or (next_out is not None and next_out < entry):
                     leaves.add(entry)
                     break
                 parent = self._unlink(parent)
                 self.evicted_blocks += 1
 
-    def _remove_leaf(self, node: _Node) -> None:
-        self._leaves.remove((node.last_access, node.key))
-        parent = self._unlink(node)
-        if parent is not None:
-            self._leaves.add((parent.last_access, parent.key))
+    def _remove_leaf(self, key: int) -> None:
+        self._leaves.remove((self._times[key] & _LAST_USE, key))
+        parent = self._unlink(key)
+        if parent != _NO_PARENT:
+            self._leaves.add((self._times[parent] & _LAST_USE, parent))
 
-    def _unlink(self, node: _Node) -> _Node | None:
-        """Forget leaf `node`, which the leaf list no longer holds; its parent when that is now a leaf (and not
-        listed yet), else None."""
-        del self._nodes[node.key]
-        parent = node.parent
-        if parent is None:
-            self._roots.discard(node.key)
-            return None
-        parent.remove_child(node.key)
-        parent.last_access = max(parent.last_access, node.last_access)  # its prefix was used that recently
-        return parent if parent.child is None else None
+    def _unlink(self, key: int) -> int:
+        """Forget leaf `key`, which the leaf list no longer holds; its parent when that is now a leaf (and not
+        listed yet), else _NO_PARENT."""
+        parent = self._parent.pop(key)
+        last_use = self._times.pop(key) & _LAST_USE
+        if parent == _NO_PARENT:
+            return _NO_PARENT
+        more = self._more_children.get(parent)
+        if self._child[parent] == key:
+            if more:
+                self._child[parent] = more.pop()
+            else:
+                del self._child[parent]
+        elif more is not None:
+            more.discard(key)
+        if more is not None and not more:
+            del self._more_children[parent]
+        times = self._times[parent]
+        if last_use > times & _LAST_USE:  # its prefix was used that recently
+            self._times[parent] = times & _CREATED | last_use
+        return parent if parent not in self._child else _NO_PARENT
 
-    def _remove_subtree(self, top: _Node) -> int:
-        removed = 0
+    def _remove_subtree(self, top: int) -> int:
+        order: list[int] = []
         stack = [top]
-        order: list[_Node] = []
         while stack:  # collect depth-first, then remove children before parents so each is a leaf
-            node = stack.pop()
-            order.append(node)
-            stack.extend(self._nodes[key] for key in node.children())
-        for node in reversed(order):
-            self._remove_leaf(node)
-            removed += 1
-        return removed
+            key = stack.pop()
+            order.append(key)
+            stack.extend(self._children(key))
+        for key in reversed(order):
+            self._remove_leaf(key)
+        return len(order)
 
     def check_invariants(self) -> None:
         """Recount everything kept incrementally; raises AssertionError on any mismatch (for tests)."""
-        assert len(self._nodes) <= self._capacity, "over capacity"
-        leaves = set()
-        for key, node in self._nodes.items():
-            assert node.key == key
-            if node.parent is None:
-                assert key in self._roots, "root not registered"
-            else:
-                assert self._nodes.get(node.parent.key) is node.parent, "orphan node"
-                assert key in node.parent.children()
-            for child in node.children():
-                assert self._nodes[child].parent is node
-            assert node.more_children is None or (node.child is not None and node.more_children), "loose children"
-            if node.child is None:
-                leaves.add((node.last_access, key))
+        assert len(self._parent) <= self._capacity, "over capacity"
+        assert self._times.keys() == self._parent.keys(), "times out of date"
+        assert self._child.keys() <= self._parent.keys(), "children of a forgotten block"
+        for key, parent in self._parent.items():
+            if parent != _NO_PARENT:
+                assert parent in self._parent, "orphan block"
+                assert key in self._children(parent)
+            for child in self._children(key):
+                assert self._parent[child] == key
+        assert all(more and parent in self._child for parent, more in self._more_children.items()), "loose children"
+        leaves = {(self._times[key] & _LAST_USE, key) for key in self._parent if key not in self._child}
         assert leaves == set(self._leaves), "leaf set out of date"
-        assert self._roots == {k for k, n in self._nodes.items() if n.parent is None}
