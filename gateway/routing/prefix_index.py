@@ -203,6 +203,13 @@ class PrefixIndex:
         last_use = self._times.pop(key) & _LAST_USE
         if parent == _NO_PARENT:
             return _NO_PARENT
+        self._drop_child(parent, key)
+        times = self._times[parent]
+        if last_use > times & _LAST_USE:  # its prefix was used that recently
+            self._times[parent] = times & _CREATED | last_use
+        return parent if parent not in self._child else _NO_PARENT
+
+    def _drop_child(self, parent: int, key: int) -> None:
         more = self._more_children.get(parent)
         if self._child[parent] == key:
             if more:
@@ -213,10 +220,6 @@ class PrefixIndex:
             more.discard(key)
         if more is not None and not more:
             del self._more_children[parent]
-        times = self._times[parent]
-        if last_use > times & _LAST_USE:  # its prefix was used that recently
-            self._times[parent] = times & _CREATED | last_use
-        return parent if parent not in self._child else _NO_PARENT
 
     def _remove_subtree(self, top: int) -> int:
         order: list[int] = []
