@@ -145,12 +145,16 @@ class PrefixIndex:
             return []
         return [child, *self._more_children.get(key, ())]
 
+    def _leaf_entry(self, key: int) -> tuple[int, int]:
+        """Block `key` as the leaf list orders it: (last use, block)."""
+        return self._times[key] & _LAST_USE, key
+
     def _add_chain(self, parent: int, keys: Sequence[int], tick: int) -> None:
         """Hang `keys` below `parent` (_NO_PARENT: as a new root) one after the other. Only the last is a leaf, so
         the leaf list changes once for the chain, not twice a block: a conversation's turn adds tens of blocks."""
         if parent != _NO_PARENT:
             if parent not in self._child:  # a leaf until now
-                self._leaves.remove((self._times[parent] & _LAST_USE, parent))
+                self._leaves.remove(self._leaf_entry(parent))
                 self._child[parent] = keys[0]
             else:
                 self._more_children.setdefault(parent, set()).add(keys[0])
@@ -183,7 +187,7 @@ class PrefixIndex:
             parent = self._unlink(key)
             self.evicted_blocks += 1
             while parent != _NO_PARENT:
-                entry = (self._times[parent] & _LAST_USE, parent)
+                entry = self._leaf_entry(parent)
                 if len(blocks) <= capacity or (next_out is not None and next_out < entry):
                     leaves.add(entry)
                     break
@@ -191,10 +195,10 @@ class PrefixIndex:
                 self.evicted_blocks += 1
 
     def _remove_leaf(self, key: int) -> None:
-        self._leaves.remove((self._times[key] & _LAST_USE, key))
+        self._leaves.remove(self._leaf_entry(key))
         parent = self._unlink(key)
         if parent != _NO_PARENT:
-            self._leaves.add((self._times[parent] & _LAST_USE, parent))
+            self._leaves.add(self._leaf_entry(parent))
 
     def _unlink(self, key: int) -> int:
         """Forget leaf `key`, which the leaf list no longer holds; its parent when that is now a leaf (and not
@@ -244,5 +248,5 @@ class PrefixIndex:
             for child in self._children(key):
                 assert self._parent[child] == key
         assert all(more and parent in self._child for parent, more in self._more_children.items()), "loose children"
-        leaves = {(self._times[key] & _LAST_USE, key) for key in self._parent if key not in self._child}
+        leaves = {self._leaf_entry(key) for key in self._parent if key not in self._child}
         assert leaves == set(self._leaves), "leaf set out of date"
