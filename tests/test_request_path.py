@@ -7,6 +7,8 @@ import asyncio
 import errno
 import json
 import logging
+import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -466,3 +468,61 @@ async def test_client_that_stops_reading_is_dropped_after_the_write_timeout() ->
         assert harness.metric("gateway_requests_total", status="499") == 1
         harness.assert_nothing_held()
 
+
+
+def post_from_a_thread(url: str, body: bytes, receive_buffer_bytes: int | None = None,
+                       read: bool = True) -> tuple[float, socket.socket]:
+    """Send a request over a blocking socket, outside the event loop; when the answer's first bytes arrived (or
+    when sent, with `read=False`), and the open socket."""
+    host, port = url.removeprefix("http://").split("/")[0].split(":")
+    sock = socket.socket()
+    if receive_buffer_bytes is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer_bytes)
+    sock.connect((host, int(port)))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    if read:
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    return time.monotonic(), sock
+
+
+async def test_a_small_answer_leaves_before_the_record_step_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with running_gateway(FakeBackend()) as harness:
+        record, recorded_at = harness.gateway.record, []
+
+        def slow_record(*args: Any) -> None:
+            recorded_at.append(time.monotonic())
+            time.sleep(0.5)  # the event loop stands still: only what was written already reaches the client
+            record(*args)
+
+        monkeypatch.setattr(harness.gateway, "record", slow_record)
+        body = json.dumps({"messages": [{"role": "user", "content": "hello"}]}).encode()
+        answered_at, sock = await asyncio.to_thread(post_from_a_thread, str(harness.client.make_url("/")), body)
+        sock.close()
+        assert answered_at - recorded_at[0] < 0.4
+        harness.assert_nothing_held()
+
+
+async def test_a_large_answer_does_not_hold_its_backend_while_the_client_reads_slowly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def answer_large(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "x" * 1_000_000}, "finish_reason": "stop"}]})
+
+    async with running_gateway(FakeBackend(default=answer_large)) as harness:
+        relay_answer = harness.gateway.relay_answer
+
+        async def with_small_send_buffer(request: web.Request, *args: Any) -> web.StreamResponse:
+            assert request.transport is not None  # so that the kernel cannot take the whole answer off our hands
+            request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            return await relay_answer(request, *args)
+
+        monkeypatch.setattr(harness.gateway, "relay_answer", with_small_send_buffer)
+        body = json.dumps({"messages": [{"role": "user", "content": "hello"}]}).encode()
+        _, sock = await asyncio.to_thread(post_from_a_thread, str(harness.client.make_url("/")), body, 4096, False)
+        with sock:
+            for _ in range(100):  # the answer stays unread on its way
+                if harness.gateway.pool.backends[0].in_flight == 0 and harness.backends[0].received:
+                    break
+                await asyncio.sleep(0.02)
+            harness.assert_nothing_held()

@@ -99,7 +99,7 @@ class Relay:
             if not self.streaming:
                 body = await self.upstream.read_whole(WHOLE_BODY_BYTES)
                 if body is not None:
-                    return self._whole(body, on_first_byte)
+                    return await self._whole(body, on_first_byte)
             return await self._streamed(on_first_byte)
         except UpstreamFailure as exc:
             self.outcome.failure = exc.failure
@@ -121,11 +121,19 @@ class Relay:
             self.upstream.close()
             self.outcome.usage = self.tap.usage()
 
-    def _whole(self, body: bytes, on_first_byte: FirstByte) -> web.Response:
+    async def _whole(self, body: bytes, on_first_byte: FirstByte) -> web.Response:
         self._first_byte(on_first_byte)
         self.tap.feed(body)
         response = web.Response(body=body, status=self.upstream.status)
         self._copy_headers(response)
+        transport = self.request.transport
+        if transport is not None and not transport.get_write_buffer_size() and len(body) <= _DIRECT_WRITE_BYTES:
+            # A write that cannot block, made here rather than by the server after the handler returns: the record
+            # step then runs while the answer is on its way (~70 us less latency at one connection). A larger one
+            # is left to the server, so that a client slow to read never holds the backend's placement.
+            self.response = response
+            await response.prepare(self.request)
+            await response.write_eof()
         return response
 
     async def _streamed(self, on_first_byte: FirstByte) -> web.StreamResponse:
