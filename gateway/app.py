@@ -19,7 +19,8 @@ Engine admin paths (/flush_cache, /start_profile, /update_weights*, ...) are in 
 A client that leaves cancels its handler at whatever step it is in, and every way a request ends releases its
 placement and is recorded once. `create_app(config)` builds every part and hands it in; start-up runs the
 first health checks, shutdown drains (see `on_shutdown`). Errors of any step are `GatewayError`s, turned into
-OpenAI's error shape (Anthropic's on /v1/messages) in one middleware.
+OpenAI's error shape (Anthropic's on /v1/messages) in one middleware. The server hands the relayed paths to it
+directly, past aiohttp's router (`skip_the_router_for_relays`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.typedefs import Middleware
 
 from gateway.api.admin import AdminApi
@@ -474,3 +475,21 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.on_cleanup.append(gateway.on_cleanup)
     app[GATEWAY] = gateway
     return app
+
+
+def skip_the_router_for_relays(runner: web.AppRunner) -> None:
+    """Hand a POST to a relayed path straight to the gateway: the same `error_middleware`, then `Gateway.relay`,
+    past aiohttp's router and its middleware chain (15-25 us less CPU a request; README, "Overhead"). Everything
+    else goes through the application, and so does a request that expects 100-continue (its router answers
+    that). Call after `runner.setup()`, before the first connection."""
+    server = runner.server
+    assert server is not None
+    gateway, through_app = runner.app[GATEWAY], server.request_handler
+    middleware = error_middleware(gateway)
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        if request.method == "POST" and request.path in RELAYED_PATHS and hdrs.EXPECT not in request.headers:
+            return await middleware(request, gateway.relay)  # type: ignore[arg-type]  # a web.Request, from the app
+        return await through_app(request)
+
+    server.request_handler = handle

@@ -30,7 +30,7 @@ from types import FrameType
 from aiohttp import web, web_protocol
 
 from gateway.api.connections import ConnectionCap, default_max_connections
-from gateway.app import GATEWAY, create_app
+from gateway.app import GATEWAY, create_app, skip_the_router_for_relays
 from gateway.config import GatewayConfig
 from gateway.errors import ConfigError
 
@@ -111,6 +111,7 @@ async def run_worker(config: GatewayConfig, reuse_port: bool, max_connections: i
         assert runner.server is not None  # set up above
         if stop.is_set():
             return
+        skip_the_router_for_relays(runner)
         cap = ConnectionCap(runner.server, max_connections)
         gateway = app[GATEWAY]
         cap.export(gateway.metrics.registry)

@@ -28,7 +28,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.api.prompts import routing_text
-from gateway.app import GATEWAY, RELAYED_PATHS, Gateway, Handler, create_app
+from gateway.app import GATEWAY, RELAYED_PATHS, Gateway, Handler, create_app, skip_the_router_for_relays
 from gateway.config import build_config
 from gateway.server import tune_gc
 from loadtest.nginx import COMPLETION, MODELS
@@ -178,6 +178,8 @@ async def cpu_per_request(step: str, config: CostConfig, bodies: Sequence[bytes]
     requests (callgrind's instrumentation)."""
     backend, backend_url = await serve(zero_cost_backend())
     runner, url = await serve(front(step, backend_url, config.policy))
+    if step != "relay":
+        skip_the_router_for_relays(runner)  # as the gateway serves
     try:
         async with aiohttp.ClientSession() as session:
             sent = 0

@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDictProxy
 
-from gateway.app import GATEWAY, GENERATION_PATHS, Gateway, create_app
+from gateway.app import GATEWAY, GENERATION_PATHS, Gateway, create_app, skip_the_router_for_relays
 from gateway.config import GatewayConfig, HealthConfig
 from gateway.fleet.backends import BackendSpec
 from simulator.fleet import base_url, free_port
@@ -189,6 +189,8 @@ async def running_gateway(*backends: FakeBackend, dead: int = 0, **options: Any)
     app = create_app(replace(QUIET, backends=specs, **options))
     client = TestClient(TestServer(app))
     await client.start_server()
+    assert client.server.runner is not None
+    skip_the_router_for_relays(client.server.runner)  # as the gateway serves
     gateway = app[GATEWAY]
     for placed in gateway.pool.backends:
         placed.health_check_passed(success_threshold=1)
