@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -178,13 +178,15 @@ class Harness:
 
 
 @asynccontextmanager
-async def running_gateway(*backends: FakeBackend, dead: int = 0, **options: Any) -> AsyncIterator[Harness]:
-    """The gateway in front of `backends` and of `dead` backends that refuse connections (marked healthy, so
-    the gateway finds out by trying), with `options` overriding `QUIET`'s fields."""
+async def running_gateway(*backends: FakeBackend, dead: int = 0, silent_urls: Sequence[str] = (),
+                          **options: Any) -> AsyncIterator[Harness]:
+    """The gateway in front of `backends`, of `dead` backends that refuse connections and of backends at
+    `silent_urls` that do not accept them (all marked healthy, so the gateway finds out by trying), with `options`
+    overriding `QUIET`'s fields."""
     for backend in backends:
         backend.server = TestServer(backend.app())
         await backend.server.start_server()
-    urls = [backend.url for backend in backends] + [base_url(free_port()) for _ in range(dead)]
+    urls = [backend.url for backend in backends] + [base_url(free_port()) for _ in range(dead)] + list(silent_urls)
     specs = tuple(BackendSpec(url, MODEL, name=f"backend-{index + 1}") for index, url in enumerate(urls))
     app = create_app(replace(QUIET, backends=specs, **options))
     client = TestClient(TestServer(app))

@@ -545,3 +545,23 @@ async def test_client_that_expects_100_continue_is_told_to_send_its_body() -> No
 
         assert (await asyncio.to_thread(exchange)).startswith(b"HTTP/1.1 200")
         assert harness.backends[0].bodies == [body]
+
+
+async def test_backend_that_does_not_accept_in_time_is_a_connect_failure_not_a_timeout() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        fillers = [socket.socket() for _ in range(3)]  # a full accept queue: the kernel drops further attempts
+        for filler in fillers:
+            filler.setblocking(False)
+            filler.connect_ex(listener.getsockname())
+        url = "http://127.0.0.1:%d" % listener.getsockname()[1]
+        try:
+            async with running_gateway(silent_urls=[url], connect_timeout_s=0.2, max_retries=0) as harness:
+                status, body, _ = await harness.chat()
+                assert status == 502 and body["error"]["code"] == "upstream_broken"
+                assert harness.metric("gateway_upstream_errors_total", kind="connect") == 1
+                harness.assert_nothing_held()
+        finally:
+            for filler in fillers:
+                filler.close()
