@@ -1,12 +1,12 @@
 """The gateway's one HTTP client, and the one place its exceptions become the gateway's own outcomes.
 
 One aiohttp session with a connection pool serves every upstream call (requests, health checks, discovery,
-metrics). aiohttp replaced httpx2 here because it measured 3-4x cheaper per request on the relay path
-(README, "Overhead"). The session never reads the host's proxy environment (`trust_env=False`, aiohttp's
-default): HTTP_PROXY/HTTPS_PROXY/ALL_PROXY must never apply to calls to our own replicas (seed 000: a set proxy
-variable turned every engine call into a 502; sglang-router still breaks this way). It adds no headers of its
-own either: the engine sees what the client asked for (an `Accept-Encoding` the client did not send would
-get it a body it cannot read).
+metrics); relayed requests use its pool without its `request()` (see `open`). aiohttp replaced httpx2 here
+because it measured 3-4x cheaper per request on the relay path (README, "Overhead"). Neither path reads the
+host's proxy environment (`trust_env=False`, aiohttp's default): HTTP_PROXY/HTTPS_PROXY/ALL_PROXY must never
+apply to calls to our own replicas (seed 000: a set proxy variable turned every engine call into a 502;
+sglang-router still breaks this way). No headers of aiohttp's own are added either: the engine sees what the
+client asked for (an `Accept-Encoding` the client did not send would get it a body it cannot read).
 
 Everything aiohttp raises is translated here into an `UpstreamFailure` with a `Failure` kind, so the rest of the
 gateway reasons about our outcomes only: whose fault it was (the backend's or our own), and whether anything
