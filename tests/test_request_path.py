@@ -555,7 +555,7 @@ async def test_backend_that_does_not_accept_in_time_is_a_connect_failure_not_a_t
         for filler in fillers:
             filler.setblocking(False)
             filler.connect_ex(listener.getsockname())
-        url = "http://127.0.0.1:%d" % listener.getsockname()[1]
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         try:
             async with running_gateway(silent_urls=[url], connect_timeout_s=0.2, max_retries=0) as harness:
                 status, body, _ = await harness.chat()

@@ -129,8 +129,8 @@ class Relay:
         transport = self.request.transport
         if transport is not None and not transport.get_write_buffer_size() and len(body) <= _DIRECT_WRITE_BYTES:
             # A write that cannot block, made here rather than by the server after the handler returns: the record
-            # step then runs while the answer is on its way (~70 us less latency at one connection). A larger one
-            # is left to the server, so that a client slow to read never holds the backend's placement.
+            # step then runs while the answer is on its way, not before it leaves. A larger one is left to the
+            # server, so that a client slow to read never holds the backend's placement.
             self.response = response
             await response.prepare(self.request)
             await response.write_eof()
