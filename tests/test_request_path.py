@@ -469,16 +469,15 @@ async def test_client_that_stops_reading_is_dropped_after_the_write_timeout() ->
         harness.assert_nothing_held()
 
 
-
-def post_from_a_thread(url: str, body: bytes, receive_buffer_bytes: int | None = None,
+def post_from_a_thread(harness: Harness, body: bytes, receive_buffer_bytes: int | None = None,
                        read: bool = True) -> tuple[float, socket.socket]:
-    """Send a request over a blocking socket, outside the event loop; when the answer's first bytes arrived (or
-    when sent, with `read=False`), and the open socket."""
-    host, port = url.removeprefix("http://").split("/")[0].split(":")
+    """Send a chat request over a blocking socket, outside the event loop; when the answer's first bytes arrived
+    (or when sent, with `read=False`), and the open socket."""
+    url = harness.client.make_url("/")
     sock = socket.socket()
     if receive_buffer_bytes is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer_bytes)
-    sock.connect((host, int(port)))
+    sock.connect((url.host, url.port))
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     if read:
@@ -497,7 +496,7 @@ async def test_a_small_answer_leaves_before_the_record_step_runs(monkeypatch: py
 
         monkeypatch.setattr(harness.gateway, "record", slow_record)
         body = json.dumps({"messages": [{"role": "user", "content": "hello"}]}).encode()
-        answered_at, sock = await asyncio.to_thread(post_from_a_thread, str(harness.client.make_url("/")), body)
+        answered_at, sock = await asyncio.to_thread(post_from_a_thread, harness, body)
         sock.close()
         assert answered_at - recorded_at[0] < 0.4
         harness.assert_nothing_held()
@@ -519,7 +518,7 @@ async def test_a_large_answer_does_not_hold_its_backend_while_the_client_reads_s
 
         monkeypatch.setattr(harness.gateway, "relay_answer", with_small_send_buffer)
         body = json.dumps({"messages": [{"role": "user", "content": "hello"}]}).encode()
-        _, sock = await asyncio.to_thread(post_from_a_thread, str(harness.client.make_url("/")), body, 4096, False)
+        _, sock = await asyncio.to_thread(post_from_a_thread, harness, body, 4096, False)
         with sock:
             for _ in range(100):  # the answer stays unread on its way
                 if harness.gateway.pool.backends[0].in_flight == 0 and harness.backends[0].received:
