@@ -137,11 +137,10 @@ class UpstreamClient:
     """The session and its timeouts. `start()` inside the running event loop, `close()` at the end."""
 
     def __init__(self, connect_timeout_s: float, first_byte_timeout_s: float, idle_timeout_s: float) -> None:
-        self.connect_timeout_s = connect_timeout_s
         self.first_byte_timeout_s = first_byte_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self._session: aiohttp.ClientSession | None = None
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}  # by first-byte timeout: made once, not per request
+        self._connect_timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout_s)  # the connector reads only this
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
@@ -171,16 +170,12 @@ class UpstreamClient:
         connect timeout told apart, the first-byte timeout set on the connection, the connection closed (so the
         engine aborts) when the exchange fails or the caller is cancelled before the headers."""
         first_byte_s = first_byte_timeout_s or self.first_byte_timeout_s
-        timeout = self._timeouts.get(first_byte_s)
-        if timeout is None:
-            timeout = self._timeouts[first_byte_s] = aiohttp.ClientTimeout(sock_connect=self.connect_timeout_s,
-                                                                           sock_read=first_byte_s)
         session = self.session
         request = aiohttp.ClientRequest(method, URL(url), headers=headers, data=body or None,
                                         skip_auto_headers=_NO_AUTO_HEADERS, loop=self._loop, session=session,
                                         response_class=aiohttp.ClientResponse)
         try:
-            connection = await session.connector.connect(request, [], timeout)  # type: ignore[union-attr]
+            connection = await session.connector.connect(request, [], self._connect_timeout)  # type: ignore[union-attr]
         except TimeoutError as exc:  # only the connect timeout runs here
             raise UpstreamFailure(Failure.CONNECT, "ConnectionTimeoutError") from exc
         except _TRANSLATED as exc:
