@@ -37,6 +37,11 @@ WHOLE_BODY_BYTES = 1024 * 1024  # non-streamed answers of a declared length up t
 _DIRECT_WRITE_BYTES = 16 * 1024
 
 
+def _may_block(transport: asyncio.Transport | None, size: int) -> bool:
+    """Whether writing `size` more bytes to the client may wait for it to read (`_DIRECT_WRITE_BYTES`)."""
+    return transport is not None and (transport.get_write_buffer_size() > 0 or size > _DIRECT_WRITE_BYTES)
+
+
 class Ending(str, Enum):
     """How an exchange ended when it did not end as the backend meant it to."""
 
@@ -127,7 +132,7 @@ class Relay:
         response = web.Response(body=body, status=self.upstream.status)
         self._copy_headers(response)
         transport = self.request.transport
-        if transport is not None and not transport.get_write_buffer_size() and len(body) <= _DIRECT_WRITE_BYTES:
+        if transport is not None and not _may_block(transport, len(body)):
             # A write that cannot block, made here rather than by the server after the handler returns: the record
             # step then runs while the answer is on its way, not before it leaves. A larger one is left to the
             # server, so that a client slow to read never holds the backend's placement.
@@ -145,12 +150,11 @@ class Relay:
             if self.outcome.ttfb_s is None:
                 self._first_byte(on_first_byte)
             self.tap.feed(chunk)
-            if transport is not None and (transport.get_write_buffer_size() or len(chunk) > _DIRECT_WRITE_BYTES):
+            if _may_block(transport, len(chunk)):
                 await self._bounded(response.write(chunk))
             else:
                 await response.write(chunk)
-        await (self._bounded(response.write_eof()) if transport is not None and transport.get_write_buffer_size()
-               else response.write_eof())
+        await (self._bounded(response.write_eof()) if _may_block(transport, 0) else response.write_eof())
         return response
 
     async def _bounded(self, write: Awaitable[None]) -> None:
