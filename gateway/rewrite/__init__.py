@@ -99,13 +99,10 @@ def enabled_for(headers: Mapping[str, str]) -> bool:
     raise BadRequest(f"Header {OPT_OUT_HEADER} must be 'on' or 'off' (got {value!r}).", param=OPT_OUT_HEADER)
 
 
-class _Slot(NamedTuple):
-    """One string of a chat's head: messages[message].content, or its text part ``part``."""
-
-    message: int
-    part: int | None
-    text: str
-    searchable: bool
+# Where one string of a chat's head is: (message, None) for messages[message].content as a string, (message, part)
+# for its text part `part`.
+_Place = tuple[int, int | None]
+_SEARCHED_ROLES = ("system", "developer", "user")  # a tuple: a role of any JSON type is compared, not hashed
 
 
 class _Host(NamedTuple):
@@ -189,11 +186,11 @@ class Rewriter:
         if not isinstance(messages, list) or not messages:
             return RewriteResult(None, ())
         host = _chat_host(messages)
-        slots = _chat_head(messages, host)
-        texts, moved, hits = self._rewrite_texts([slot.text for slot in slots],
-                                                 [slot.searchable for slot in slots], can_move=host is not None)
-        changes = {(slot.message, slot.part): text
-                   for slot, text in zip(slots, texts, strict=True) if text != slot.text}
+        places, texts, searchable = _chat_head(messages, host)
+        rewritten, moved, hits = self._rewrite_texts(texts, searchable, can_move=host is not None)
+        if rewritten is texts:  # nothing acted on (the common case: known clean text)
+            return RewriteResult(None, tuple(hits))
+        changes = {place: new for place, old, new in zip(places, texts, rewritten, strict=True) if new != old}
         if not changes:
             return RewriteResult(None, tuple(hits))
         if host is not None:
@@ -217,8 +214,9 @@ class Rewriter:
 
     def _rewrite_texts(self, texts: list[str], searchable: list[bool],
                        can_move: bool) -> tuple[list[str], list[str], list[SpanHit]]:
-        """Rewrite the strings of one prompt until a pass over the window finds nothing to act on."""
-        current = list(texts)
+        """Rewrite the strings of one prompt until a pass over the window finds nothing to act on; the same list
+        `texts` comes back when nothing was acted on."""
+        current = texts
         moved: list[str] = []
         acted: list[SpanHit] = []
         while True:
@@ -228,11 +226,12 @@ class Rewriter:
             for index, text in enumerate(current):
                 if budget <= 0:
                     break
-                if searchable[index]:
-                    result = self._rules.rewrite(text, budget, can_move)
+                if searchable[index] and (result := self._rules.rewrite(text, budget, can_move)) is not None:
                     kept += [hit for hit in result.hits if hit.action is Action.KEEP]
                     if result.changed:
                         changed = True
+                        if current is texts:
+                            current = list(texts)
                         current[index] = result.text
                         moved += result.moved
                         acted += [hit for hit in result.hits if hit.action is not Action.KEEP]
@@ -259,25 +258,33 @@ def _chat_host(messages: list[Any]) -> _Host | None:
     return _Host(len(messages) - 1, len(content), "", "")
 
 
-def _chat_head(messages: list[Any], host: _Host | None) -> list[_Slot]:
-    """The strings of the messages up to and including the first user message, in order."""
-    slots: list[_Slot] = []
+def _chat_head(messages: list[Any], host: _Host | None) -> tuple[list[_Place], list[str], list[bool]]:
+    """The strings of the messages up to and including the first user message, in order: where each is, its
+    text and whether it is searched."""
+    places: list[_Place] = []
+    texts: list[str] = []
+    searchable: list[bool] = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             continue
         role = message.get("role")
-        searchable = role in ("system", "developer", "user")
+        searched = role in _SEARCHED_ROLES
         content = message.get("content")
-        parts = [(None, content)] if isinstance(content, str) else (
-            list(enumerate(_part_text(part) for part in content)) if isinstance(content, list) else [])
-        for part, text in parts:
-            if isinstance(text, str):
-                if host is not None and (host.message, host.part) == (index, part):
-                    text = host.body  # the trailer of an earlier rewrite is never searched
-                slots.append(_Slot(index, part, text, searchable))
+        if isinstance(content, str):
+            places.append((index, None))
+            texts.append(content)
+            searchable.append(searched)
+        elif isinstance(content, list):
+            for part, item in enumerate(content):
+                if (text := _part_text(item)) is not None:
+                    places.append((index, part))
+                    texts.append(text)
+                    searchable.append(searched)
         if role == "user":
             break
-    return slots
+    if host is not None and places and places[-1] == (host.message, host.part):  # the host is the head's last
+        texts[-1] = host.body  # the trailer of an earlier rewrite is never searched
+    return places, texts, searchable
 
 
 # Text parts: chat's and Anthropic's "text", the Responses API's "input_text" and "output_text".

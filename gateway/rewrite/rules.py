@@ -221,17 +221,19 @@ class RuleSet:
     def names(self) -> tuple[str, ...]:
         return tuple(rule.name for rule in self.rules)
 
-    def rewrite(self, text: str, budget: int, can_move: bool) -> TextRewrite:
-        """Act on every span starting within ``budget`` characters of the text as rewritten."""
+    def rewrite(self, text: str, budget: int, can_move: bool) -> TextRewrite | None:
+        """Act on every span starting within ``budget`` characters of the text as rewritten; None when there is
+        none (the text stays as it is)."""
         searched = (budget, text[:budget + MAX_SPAN_CHARS])  # all that decides whether anything is found
         if searched in self._clean:
-            return TextRewrite(text, (), (), False)
+            return None
         result = self._rewrite(text, budget, can_move)
-        if not result.hits:
-            if len(self._clean) >= _CLEAN_MEMORY:
-                self._clean.clear()
-            self._clean.add(searched)
-        return result
+        if result.hits:
+            return result
+        if len(self._clean) >= _CLEAN_MEMORY:
+            self._clean.clear()
+        self._clean.add(searched)
+        return None
 
     def _rewrite(self, text: str, budget: int, can_move: bool) -> TextRewrite:
         spans: list[tuple[int, int]] = []
