@@ -212,7 +212,7 @@ class SharedState:
         self._link = _Link(f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path}",
                            Gauge("gateway_state_store_up", "1 while the shared state store answers",
                                  registry=registry))
-        self._pending: list[bytes] = []
+        self._pending: list[tuple[int, str, Sequence[int]]] = []  # (kind, backend URL, hashes) of each update
         self._pending_bytes = 0
         self._oldest_s = 0.0  # wall time of the oldest pending update
         self._last_id = "0-0"
@@ -239,19 +239,19 @@ class SharedState:
     # -- publishing (Backend.publisher): appends only ---------------------------------------------------------
 
     def placed(self, backend: Backend, hashes: Sequence[int]) -> None:
-        self._append(encode_update(PLACED, backend_id(backend.url), hashes))
+        self._append(PLACED, backend.url, hashes)
 
     def corrected(self, backend: Backend, hashes: Sequence[int], keep_blocks: int) -> None:
-        self._append(encode_update(CORRECTED, backend_id(backend.url), hashes[keep_blocks:keep_blocks + 1]))
+        self._append(CORRECTED, backend.url, hashes[keep_blocks:keep_blocks + 1])
 
     def marked_down(self, backend: Backend) -> None:
-        self._append(encode_update(DOWN, backend_id(backend.url)))
+        self._append(DOWN, backend.url, ())
 
     def session_visited(self, backend: Backend, key: int, blocks: int, last_hash: int) -> None:
-        self._append(encode_update(SESSION, backend_id(backend.url), (key, blocks, last_hash)))
+        self._append(SESSION, backend.url, (key, blocks, last_hash))
 
     def cleared(self, backend: Backend) -> None:
-        self._append(encode_update(CLEARED, backend_id(backend.url)))
+        self._append(CLEARED, backend.url, ())
 
     def _backends(self) -> dict[int, Backend]:
         """The pool's backends by compact id, rebuilt when backends joined or left (discovery, admin API)."""
@@ -260,14 +260,17 @@ class SharedState:
             self._pool_version = self._pool.version
         return self._by_id
 
-    def _append(self, update: bytes) -> None:
-        if self._pending_bytes + len(update) > MAX_PENDING_BYTES:
+    def _append(self, kind: int, url: str, hashes: Sequence[int]) -> None:
+        """Queue an update as it is; the flush encodes the queue in one go, off the request's path. `hashes` are
+        never changed once made, so holding them is enough."""
+        size = _HEADER.size + 8 * min(len(hashes), _MAX_HASHES)
+        if self._pending_bytes + size > MAX_PENDING_BYTES:
             self._drop(1)
             return
         if not self._pending:
             self._oldest_s = time.time()
-        self._pending.append(update)
-        self._pending_bytes += len(update)
+        self._pending.append((kind, url, hashes))
+        self._pending_bytes += size
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
@@ -406,9 +409,10 @@ class SharedState:
         self._dropped.inc(updates)
 
     def _take_pending(self) -> tuple[list[bytes], float]:
-        updates, oldest_s = self._pending, self._oldest_s
+        """The queued updates, encoded, and the wall time of the oldest."""
+        pending, oldest_s = self._pending, self._oldest_s
         self._pending, self._pending_bytes = [], 0
-        return updates, oldest_s
+        return [encode_update(kind, backend_id(url), hashes) for kind, url, hashes in pending], oldest_s
 
     def _apply_loads(self, fields: dict[bytes, bytes], now_s: float) -> None:
         for instance, blob in fields.items():
@@ -435,9 +439,9 @@ class SharedState:
 
     def _republish(self) -> None:
         """Queue this instance's whole index: what others missed while the store was gone (or empty)."""
-        for bid, backend in self._backends().items():
+        for backend in self._backends().values():
             for path in backend.index.paths():
-                self._append(encode_update(PLACED, bid, path))
+                self._append(PLACED, backend.url, path)
 
 
 def _entries(updates: list[bytes]) -> Iterator[bytes]:
