@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from multidict import CIMultiDictProxy
 
@@ -33,6 +34,11 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 class HeaderPolicy:
     forward_credentials: bool = False        # pass the client's Authorization and Cookie to backends
     trusted_proxies: tuple[Network, ...] = ()  # whose X-Forwarded-For we extend rather than replace
+
+    @cached_property
+    def not_forwarded(self) -> frozenset[str]:
+        """The (lower-case) names of the client's headers never sent upstream, made once."""
+        return _NOT_FORWARDED if self.forward_credentials else _NOT_FORWARDED | _CREDENTIALS
 
     def trusts(self, peer: str | None) -> bool:
         if not self.trusted_proxies or not peer:
@@ -56,7 +62,7 @@ def forwarded_headers(headers: CIMultiDictProxy[str], request_id: str, peer: str
                       policy: HeaderPolicy) -> list[tuple[str, str]]:
     """The client's headers as sent upstream, to any backend; raises BadRequest for a value that is not UTF-8
     (it cannot be re-sent)."""
-    dropped = _NOT_FORWARDED if policy.forward_credentials else _NOT_FORWARDED | _CREDENTIALS
+    dropped = policy.not_forwarded
     named = headers.get("connection")
     if named:
         dropped = dropped | {token.strip().lower() for token in named.split(",")}
