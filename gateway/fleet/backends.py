@@ -72,7 +72,7 @@ class RemoteLoad:
 
 class Publisher(Protocol):
     """Where a backend's index changes and health verdicts go for the other gateway instances (`shared_state.py`).
-    Every call only appends to a local buffer: it never waits and never fails."""
+    Every call only appends to a local queue: it never waits and never fails."""
 
     def placed(self, backend: Backend, hashes: Sequence[int]) -> None: ...
 

@@ -1,8 +1,8 @@
 """Several gateway instances sharing one view of the fleet through Redis (`--state redis://HOST:PORT/DB`).
 
 Never on the request path: every instance routes on its local state. What it changes there is published by
-appending a few bytes to a local buffer (`Backend.publisher`); a background task flushes the buffer every
-`FLUSH_INTERVAL_S` in one pipelined round trip, and another applies what the other instances published.
+appending it, as it is, to a local queue (`Backend.publisher`); a background task encodes and flushes the queue
+every `FLUSH_INTERVAL_S` in one pipelined round trip, and another applies what the other instances published.
 
 - Index updates go through one Redis stream (`KEY_PREFIX + "index"`, trimmed to about `STREAM_MAXLEN` entries).
   An entry is one flush of one instance: its id, the wall time of its oldest update, and the updates packed
