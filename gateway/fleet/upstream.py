@@ -18,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from enum import Enum
 
 import aiohttp
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 logger = logging.getLogger(__name__)
@@ -133,6 +133,16 @@ class UpstreamResponse:
         self._response.release() if self._response.content.at_eof() else self._response.close()
 
 
+class _RelayedRequest(aiohttp.ClientRequest):
+    """aiohttp's request, adding no header of its own. Passing `skip_auto_headers` does the same, but builds a skip
+    list and a copy of the headers on every request."""
+
+    _skip_auto_headers = CIMultiDict((name, None) for name in _NO_AUTO_HEADERS)  # still read for Content-Type
+
+    def update_auto_headers(self, skip_auto_headers: Iterable[str] | None) -> None:
+        pass
+
+
 class UpstreamClient:
     """The session and its timeouts. `start()` inside the running event loop, `close()` at the end."""
 
@@ -171,9 +181,8 @@ class UpstreamClient:
         engine aborts) when the exchange fails or the caller is cancelled before the headers."""
         first_byte_s = first_byte_timeout_s or self.first_byte_timeout_s
         session = self.session
-        request = aiohttp.ClientRequest(method, URL(url), headers=headers, data=body or None,
-                                        skip_auto_headers=_NO_AUTO_HEADERS, loop=self._loop, session=session,
-                                        response_class=aiohttp.ClientResponse)
+        request = _RelayedRequest(method, URL(url), headers=headers, data=body or None, loop=self._loop,
+                                  session=session, response_class=aiohttp.ClientResponse)
         try:
             connection = await session.connector.connect(request, [], self._connect_timeout)  # type: ignore[union-attr]
         except TimeoutError as exc:  # only the connect timeout runs here
