@@ -191,8 +191,6 @@ class Rewriter:
         if rewritten is texts:  # nothing acted on (the common case: known clean text)
             return RewriteResult(None, tuple(hits))
         changes = {place: new for place, old, new in zip(places, texts, rewritten, strict=True) if new != old}
-        if not changes:
-            return RewriteResult(None, tuple(hits))
         if host is not None:
             host_body = changes.get((host.message, host.part), host.body)
             if moved or (host.message, host.part) in changes:
