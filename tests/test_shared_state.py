@@ -25,6 +25,7 @@ from gateway.fleet.shared_state import (
     decode_updates,
     encode_load,
     encode_update,
+    encoded_size,
 )
 from gateway.routing.policies import PolicyConfig
 from gateway.routing.policies.basic import LeastLoad
@@ -53,6 +54,11 @@ def test_updates_round_trip_through_their_encoding() -> None:
     assert list(decode_updates(blob)) == [(PLACED, 7, tuple(hashes)), (CORRECTED, 2**32 - 1, (2**64 - 1,)),
                                           (DOWN, 9, ())]
     assert len(encode_update(PLACED, 7, hashes)) == 7 + 8 * len(hashes)  # what a placement costs, in bytes
+
+
+def test_the_queued_size_of_an_update_is_its_encoded_size() -> None:
+    for hashes in ([], [1, 2, 3], list(range(0x10000 + 5))):  # the last longer than an update holds
+        assert encoded_size(hashes) == len(encode_update(PLACED, 7, hashes))
 
 
 def test_load_round_trips_through_its_encoding() -> None:

@@ -94,6 +94,11 @@ def encode_update(kind: int, backend: int, hashes: Sequence[int] = ()) -> bytes:
     return _HEADER.pack(kind, backend, len(hashes)) + struct.pack(f"<{len(hashes)}Q", *hashes)
 
 
+def encoded_size(hashes: Sequence[int]) -> int:
+    """`len(encode_update(kind, backend, hashes))`, without encoding them."""
+    return _HEADER.size + 8 * min(len(hashes), _MAX_HASHES)
+
+
 def decode_updates(blob: bytes) -> Iterator[tuple[int, int, tuple[int, ...]]]:
     """(kind, backend id, hashes) of each update packed in `blob`."""
     offset = 0
@@ -263,7 +268,7 @@ class SharedState:
     def _append(self, kind: int, url: str, hashes: Sequence[int]) -> None:
         """Queue an update as it is; the flush encodes the queue in one go, off the request's path. `hashes` are
         never changed once made, so holding them is enough."""
-        size = _HEADER.size + 8 * min(len(hashes), _MAX_HASHES)
+        size = encoded_size(hashes)
         if self._pending_bytes + size > MAX_PENDING_BYTES:
             self._drop(1)
             return
