@@ -13,6 +13,9 @@ through it, so a prefix is never older than what continues it, and evicting leav
 prefix's first blocks longest: the shared system prompt outlives the conversations hanging off it. Only leaves
 are ever compared, so a use marks just the prompt's last block, and a block that leaves hands its recency to
 its parent: an insert costs the blocks it adds and a bisection, not a walk over a long prompt's every block.
+The leaves are kept in a sorted list, which pays for each use as it comes. A heap that leaves a used leaf's old
+entry behind would make a use cheaper, but its stale entries pile up until the heap is rebuilt: a pause of the
+event loop that grows with the number of leaves.
 
 Nothing here awaits, so the event loop needs no locks around it.
 """
