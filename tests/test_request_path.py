@@ -544,6 +544,8 @@ async def test_client_that_expects_100_continue_is_told_to_send_its_body() -> No
 
         assert (await asyncio.to_thread(exchange)).startswith(b"HTTP/1.1 200")
         assert harness.backends[0].bodies == [body]
+        # The gateway has the body: the backend is not asked to wait for a go-ahead of its own.
+        assert "Expect" not in harness.backends[0].received[0].headers
 
 
 async def test_backend_that_does_not_accept_in_time_is_a_connect_failure_not_a_timeout() -> None:

@@ -1,10 +1,10 @@
 """Which headers cross the gateway, in each direction (RFC 9110 section 7.6: a proxy's duties).
 
 To the backend: the client's headers as it sent them, less the hop-by-hop ones and any the client's
-`Connection` header names, less credentials meant for the gateway (`Authorization`, `Cookie`, and Anthropic's
-`X-Api-Key`; a backend's own key is sent instead when configured), with our request id and the client's
-address in `X-Forwarded-For` and `Forwarded` (appended to what a trusted proxy in front of us sent, replaced
-otherwise).
+`Connection` header names, less `Expect` (the gateway forwards a body it has already read), less credentials
+meant for the gateway (`Authorization`, `Cookie`, and Anthropic's `X-Api-Key`; a backend's own key is sent
+instead when configured), with our request id and the client's address in `X-Forwarded-For` and `Forwarded`
+(appended to what a trusted proxy in front of us sent, replaced otherwise).
 To the client: the backend's headers less the hop-by-hop ones and those the server writes itself.
 """
 
@@ -21,7 +21,8 @@ from gateway.errors import BadRequest
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "trailers", "transfer-encoding", "upgrade", "proxy-connection"})
-_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "x-request-id", "x-forwarded-for", "forwarded"}
+# expect: the gateway reads the whole body before it forwards; a client's 100-continue was answered here.
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect", "x-request-id", "x-forwarded-for", "forwarded"}
 _CREDENTIALS = frozenset({"authorization", "cookie", "x-api-key"})
 # date/server: the server writes its own; content-length: recomputed for what we send.
 _NOT_RELAYED = HOP_BY_HOP | {"date", "server", "content-length"}
