@@ -18,7 +18,7 @@ from multidict import CIMultiDictProxy
 
 from gateway.api.headers import parse_networks
 from gateway.fleet.backends import Backend
-from gateway.fleet.upstream import Failure, UpstreamFailure, UpstreamResponse
+from gateway.fleet.upstream import Failure, UpstreamFailure, UpstreamResponse, write_unless_closed
 from tests.inprocess import (
     Behaviour,
     FakeBackend,
@@ -109,6 +109,28 @@ async def test_connection_closed_before_the_answer_is_retried() -> None:
         assert harness.metric("gateway_upstream_errors_total", kind="broken_before_answer") == 1
         assert harness.metric("gateway_requests_total") == 1  # the client saw one request
         harness.assert_nothing_held()
+
+
+async def test_requests_routed_in_one_turn_reach_the_backend_whole_and_in_their_own_exchanges() -> None:
+    # The gateway writes each request at the end of the event loop's turn, those of one turn back to back.
+    backend = FakeBackend()
+    async with running_gateway(backend) as harness:
+        contents = [f"question {index} " + "x" * index * 500 for index in range(20)]
+        answers = await asyncio.gather(*(harness.chat(content) for content in contents))
+        assert [status for status, _, _ in answers] == [200] * 20
+        assert sorted(json.loads(body)["messages"][0]["content"] for body in backend.bodies) == sorted(contents)
+        harness.assert_nothing_held()
+
+
+async def test_request_whose_connection_closed_before_its_write_is_not_written() -> None:
+    backend = FakeBackend()
+    async with running_gateway(backend):
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_connection(asyncio.Protocol, "127.0.0.1", int(backend.url.rsplit(":", 1)[1]))
+        transport.close()  # as a failed or cancelled exchange closes its connection
+        write_unless_closed(transport, (b"POST / HTTP/1.1\r\n\r\n",))  # uvloop would raise on a closed transport
+        await asyncio.sleep(0.05)
+        assert backend.received == []
 
 
 async def test_backend_that_always_closes_early_is_502_after_the_retries() -> None:

@@ -20,8 +20,13 @@ import errno
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from enum import Enum
+from typing import Any
 
 import aiohttp
+from aiohttp import hdrs
+from aiohttp.connector import Connection
+from aiohttp.http_writer import StreamWriter
+from aiohttp.http_writer import _serialize_headers as serialize_headers  # aiohttp's own, C, with its checks
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
@@ -134,13 +139,50 @@ class UpstreamResponse:
 
 
 class _RelayedRequest(aiohttp.ClientRequest):
-    """aiohttp's request, adding no header of its own. Passing `skip_auto_headers` does the same, but builds a skip
-    list and a copy of the headers on every request."""
+    """aiohttp's request, adding no header of its own, and sent whole in one write at the end of the event loop's
+    turn.
+
+    The body is already in memory, so its head and body go out together without the body-writer task aiohttp
+    starts for every request (before Python 3.12 a task scheduled for the loop's next turn). Deferring the write to
+    the end of the turn (`call_soon`) sends the requests routed in one turn back to back, which wakes a backend
+    on the same host once for all of them rather than once each: ~10% less CPU a relayed request for the gateway
+    and the host together at 16 connections (README, "Overhead"), for a delay of one turn.
+    Passing `skip_auto_headers` would keep aiohttp's headers out too, but builds a skip list and a copy of the
+    headers on every request."""
 
     _skip_auto_headers = CIMultiDict((name, None) for name in _NO_AUTO_HEADERS)  # still read for Content-Type
+    _whole_body = b""
 
     def update_auto_headers(self, skip_auto_headers: Iterable[str] | None) -> None:
         pass
+
+    def update_body_from_data(self, body: Any, _stacklevel: int = 3) -> None:
+        """Keep the bytes as they are: aiohttp would wrap them in a payload for its body writer."""
+        self._whole_body = body or b""
+        if body or self.method not in self.GET_METHODS:
+            self.headers[hdrs.CONTENT_LENGTH] = str(len(self._whole_body))
+
+    async def send(self, conn: Connection) -> aiohttp.ClientResponse:
+        protocol = conn.protocol
+        transport = None if protocol is None else protocol.transport
+        if protocol is None or transport is None or transport.is_closing():  # the backend closed it just now
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        version = self.version
+        head = serialize_headers(f"{self.method} {self.url.raw_path_qs} HTTP/{version.major}.{version.minor}",
+                                 self.headers)
+        self.loop.call_soon(write_unless_closed, transport, (head, self._whole_body) if self._whole_body else (head,))
+        protocol.start_timeout()
+        return self.response_class(
+            self.method, self.original_url, writer=None, continue100=self._continue, timer=self._timer,
+            request_info=self.request_info, traces=self._traces, loop=self.loop, session=self._session,
+            stream_writer=StreamWriter(protocol, self.loop))
+
+
+def write_unless_closed(transport: asyncio.Transport, parts: tuple[bytes, ...]) -> None:
+    """The deferred write of a request, unless its exchange failed or was cancelled meanwhile (the connection is
+    then closed, and the engine never sees the request)."""
+    if not transport.is_closing():
+        transport.writelines(parts)
 
 
 class UpstreamClient:
