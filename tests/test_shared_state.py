@@ -17,6 +17,7 @@ from gateway.fleet.shared_state import (
     DOWN,
     DOWN_VERDICT_MAX_AGE_S,
     PLACED,
+    REPLACEMENT_QUIET_S,
     SESSION,
     SharedState,
     apply_update,
@@ -179,6 +180,41 @@ def test_a_session_visit_from_another_instance_records_what_one_request_may_reco
     apply_update(by_id(pool), SESSION, backend_id(pool.backends[0].url), (1, 5000, 99), 0.0, sessions)
     visit = sessions.last_visit(1)
     assert visit is not None and visit.recorded_blocks == pool.backends[0].index.record_limit_blocks == 2500
+
+
+def test_a_prompt_placed_again_is_news_only_after_a_quiet_interval_or_something_forgotten() -> None:
+    pool = healthy_pool(2)
+    shared = SharedState(f"redis://127.0.0.1:{free_port()}/0", pool, CollectorRegistry())
+    first, second = pool.backends
+    prompt = [11, 12, 13]
+
+    def published() -> list[tuple[str, int]]:
+        queued = [(url, hashes[-1]) for kind, url, hashes in shared._pending if kind == PLACED]
+        shared._pending.clear()
+        return queued
+
+    shared._end_quiet_interval(100.0)
+    shared.placed(first, prompt)
+    shared.placed(first, prompt)  # still in use: the others learn that at the end of the interval
+    shared.placed(second, prompt)  # a copy elsewhere is news
+    shared.placed(first, prompt[:2])  # so is a prompt that ends elsewhere in the tree
+    shared.placed(first, [])  # no full block: nothing to tell
+    assert published() == [(first.url, 13), (second.url, 13), (first.url, 12)]
+    shared._end_quiet_interval(100.0 + REPLACEMENT_QUIET_S / 2)
+    shared.placed(first, prompt)
+    assert published() == []
+    shared._end_quiet_interval(100.0 + REPLACEMENT_QUIET_S)
+    shared.placed(first, prompt)
+    assert published() == [(first.url, 13)]
+    shared.corrected(second, prompt, keep_blocks=1)  # another prompt's correction may have cut this one too
+    shared.placed(first, prompt)
+    assert published() == [(first.url, 13)]
+    # So may another instance's: applying it makes the prompt news again as well.
+    blob = encode_update(CORRECTED, backend_id(first.url), prompt[1:2])
+    asyncio.run(shared._apply_entries([(b"1-0", {b"i": b"other", b"t": repr(time.time()).encode(), b"b": blob})],
+                                      live=False))
+    shared.placed(first, prompt)
+    assert published() == [(first.url, 13)]
 
 
 def test_a_verdict_from_another_instance_is_not_published_again() -> None:

@@ -9,6 +9,10 @@ every `FLUSH_INTERVAL_S` in one pipelined round trip, and another applies what t
   back to back (`encode_*`): a placement is the backend's compact id and the prompt's block hashes, 8 bytes each;
   a correction (the backend evicted part of a prompt) the first forgotten block; a down verdict, and a restart
   seen (the backend's whole index cleared), nothing more.
+  A prompt placed again on the backend it was last published for, within `REPLACEMENT_QUIET_S`, is not published
+  again: all it would tell is that the prompt is still in use, which the others' LRU can learn that much later.
+  A repeated prompt then costs the fleet nothing, however many instances apply updates. Anything forgotten (a
+  correction, a clear, a down verdict, published or applied) makes the next placement of every prompt news again.
   Backends are named by a 32-bit hash of their URL, so instances must list them under the same URLs.
   A new instance replays the stream before `start()` returns (bounded by `WARM_TIMEOUT_S`): its indexes hold
   the fleet's recent placements before it counts as ready.
@@ -55,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "prefix-gateway:"
 FLUSH_INTERVAL_S = 0.05
+REPLACEMENT_QUIET_S = 1.0  # a prompt placed again on the same backend is published at most this often
 LOAD_TTL_S = 2.0  # another instance's load counts while its sequence moved this recently
 FORGET_PEER_S = 60.0  # a load field this old belongs to a stopped instance and is deleted
 STREAM_MAXLEN = 4096  # entries (flushes); with MAX_ENTRY_BYTES, bounds the stream below 256 MiB
@@ -69,6 +74,7 @@ BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 5.0
 DELAY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
 
 PLACED, CORRECTED, DOWN, CLEARED, SESSION = 1, 2, 3, 4, 5
+_FORGETTING = frozenset({CORRECTED, DOWN, CLEARED})
 _HEADER = struct.Struct("<BIH")  # kind, backend id, number of hashes that follow
 _MAX_HASHES = 0xFFFF  # a longer prompt keeps its head, as an index shorter than it does
 _LOAD_HEAD = struct.Struct("<Q")  # sequence number
@@ -220,6 +226,9 @@ class SharedState:
         self._pending: list[tuple[int, str, Sequence[int]]] = []  # (kind, backend URL, hashes) of each update
         self._pending_bytes = 0
         self._oldest_s = 0.0  # wall time of the oldest pending update
+        # (backend URL, last block) of the prompts published since `_quiet_since_s`: their placement again is no news
+        self._published_recently: set[tuple[str, int]] = set()
+        self._quiet_since_s = 0.0
         self._last_id = "0-0"
         self._sequence = 0
         self._peers: dict[bytes, _Peer] = {}
@@ -244,19 +253,35 @@ class SharedState:
     # -- publishing (Backend.publisher): appends only ---------------------------------------------------------
 
     def placed(self, backend: Backend, hashes: Sequence[int]) -> None:
+        if not hashes:  # no full block: nothing to match
+            return
+        leaf = (backend.url, hashes[-1])
+        if leaf in self._published_recently:
+            return
+        self._published_recently.add(leaf)
         self._append(PLACED, backend.url, hashes)
 
     def corrected(self, backend: Backend, hashes: Sequence[int], keep_blocks: int) -> None:
+        self._published_recently.clear()
         self._append(CORRECTED, backend.url, hashes[keep_blocks:keep_blocks + 1])
 
     def marked_down(self, backend: Backend) -> None:
+        self._published_recently.clear()
         self._append(DOWN, backend.url, ())
 
     def session_visited(self, backend: Backend, key: int, blocks: int, last_hash: int) -> None:
         self._append(SESSION, backend.url, (key, blocks, last_hash))
 
     def cleared(self, backend: Backend) -> None:
+        self._published_recently.clear()
         self._append(CLEARED, backend.url, ())
+
+    def _end_quiet_interval(self, now_s: float) -> None:
+        """Once every REPLACEMENT_QUIET_S, each prompt's next placement is published again: the others' LRU learns
+        that it is still in use."""
+        if now_s - self._quiet_since_s >= REPLACEMENT_QUIET_S:
+            self._published_recently.clear()
+            self._quiet_since_s = now_s
 
     def _backends(self) -> dict[int, Backend]:
         """The pool's backends by compact id, rebuilt when backends joined or left (discovery, admin API)."""
@@ -359,6 +384,8 @@ class SharedState:
                 age_s = max(0.0, time.time() - float(fields[b"t"]))
                 for kind, backend, hashes in decode_updates(fields[b"b"]):
                     applied += apply_update(self._backends(), kind, backend, hashes, age_s, self._sessions)
+                    if kind in _FORGETTING:  # what we placed since may be gone from the others' indexes
+                        self._published_recently.clear()
             except (KeyError, ValueError, struct.error) as exc:  # not ours: another program's, or a newer format
                 logger.debug("state store entry %s skipped: %r", self._last_id, exc)
                 continue
@@ -374,6 +401,7 @@ class SharedState:
     async def _flush_loop(self) -> None:
         while not self._stopping:
             await asyncio.sleep(FLUSH_INTERVAL_S)
+            self._end_quiet_interval(time.monotonic())
             if self._link.wait_s() > 0:
                 continue  # the buffer waits for the next try, bounded by MAX_PENDING_BYTES
             if self._link.came_back:
