@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
@@ -93,10 +93,8 @@ _TRANSLATED = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 class UpstreamResponse:
     """An opened exchange: status and headers arrived, the body is read with `chunks()` or `read()`."""
 
-    def __init__(self, response: aiohttp.ClientResponse, idle_timeout_s: float,
-                 on_close: Callable[[], None]) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, idle_timeout_s: float) -> None:
         self._response = response
-        self._on_close: Callable[[], None] | None = on_close
         self.status = response.status
         self.headers: CIMultiDictProxy[str] = response.headers
         if response.connection is not None:  # from here on, the timeout is the one between chunks
@@ -138,28 +136,22 @@ class UpstreamResponse:
         """Release the connection: back to the pool after a complete body, else closed (the engine then aborts
         the request)."""
         self._response.release() if self._response.content.at_eof() else self._response.close()
-        if self._on_close is not None:
-            self._on_close()
-            self._on_close = None
 
 
 class _RelayedRequest(aiohttp.ClientRequest):
-    """aiohttp's request, adding no header of its own, and sent whole in one write.
+    """aiohttp's request, adding no header of its own, and sent whole in one write at the end of the event loop's
+    turn.
 
     The body is already in memory, so its head and body go out together without the body-writer task aiohttp
-    starts for every request (before Python 3.12 a task scheduled for the loop's next turn). When other exchanges
-    are open (`write_at_end_of_turn`), the write waits for the end of the event loop's turn (`call_soon`): the
-    requests routed in one turn go out back to back and wake a backend on the same host once for all of them, not
-    once each, which saves ~10% of the CPU a relayed request costs the gateway and that host together at 16
-    connections. A request alone is written at once: there is nothing to send with it, and the backend starts on it
-    while the gateway finishes its own part (at one connection, writing at the end of the turn cost ~80 us a
-    request). README, "Overhead".
+    starts for every request (before Python 3.12 a task scheduled for the loop's next turn). Deferring the write to
+    the end of the turn (`call_soon`) sends the requests routed in one turn back to back, which wakes a backend
+    on the same host once for all of them rather than once each: ~10% less CPU a relayed request for the gateway
+    and the host together at 16 connections (README, "Overhead"), for a delay of one turn.
     Passing `skip_auto_headers` would keep aiohttp's headers out too, but builds a skip list and a copy of the
     headers on every request."""
 
     _skip_auto_headers = CIMultiDict((name, None) for name in _NO_AUTO_HEADERS)  # still read for Content-Type
     _whole_body = b""
-    write_at_end_of_turn = False  # set by `UpstreamClient.open`
 
     def update_auto_headers(self, skip_auto_headers: Iterable[str] | None) -> None:
         pass
@@ -178,11 +170,7 @@ class _RelayedRequest(aiohttp.ClientRequest):
         version = self.version
         head = serialize_headers(f"{self.method} {self.url.raw_path_qs} HTTP/{version.major}.{version.minor}",
                                  self.headers)
-        parts = (head, self._whole_body) if self._whole_body else (head,)
-        if self.write_at_end_of_turn:
-            self.loop.call_soon(write_unless_closed, transport, parts)
-        else:
-            transport.writelines(parts)
+        self.loop.call_soon(write_unless_closed, transport, (head, self._whole_body) if self._whole_body else (head,))
         protocol.start_timeout()
         return self.response_class(
             self.method, self.original_url, writer=None, continue100=self._continue, timer=self._timer,
@@ -206,10 +194,6 @@ class UpstreamClient:
         self._session: aiohttp.ClientSession | None = None
         self._connect_timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout_s)  # the connector reads only this
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.exchanges_open = 0  # opened, or being opened, and not closed yet
-
-    def _exchange_closed(self) -> None:
-        self.exchanges_open -= 1
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -250,8 +234,6 @@ class UpstreamClient:
         connection.protocol.set_response_params(  # type: ignore[union-attr]
             read_until_eof=True, auto_decompress=False, read_timeout=first_byte_s, read_bufsize=_READ_BUFFER_BYTES)
         response = None
-        request.write_at_end_of_turn = self.exchanges_open > 0
-        self.exchanges_open += 1
         try:
             response = await request.send(connection)
             await response.start(connection)
@@ -259,11 +241,10 @@ class UpstreamClient:
             if response is not None:
                 response.close()  # and its body writer
             connection.close()
-            self.exchanges_open -= 1
             if isinstance(exc, _TRANSLATED):
                 raise _translate(exc, answered=False) from exc
             raise
-        return UpstreamResponse(response, self.idle_timeout_s, self._exchange_closed)
+        return UpstreamResponse(response, self.idle_timeout_s)
 
     async def get_bytes(self, url: str, timeout_s: float) -> bytes | None:
         """The body of a 200 answer to GET, or None for any other answer or failure (probes may miss)."""
