@@ -11,8 +11,8 @@ every `FLUSH_INTERVAL_S` in one pipelined round trip, and another applies what t
   seen (the backend's whole index cleared), nothing more.
   A prompt placed again on the backend it was last published for, within `REPLACEMENT_QUIET_S`, is not published
   again: all it would tell is that the prompt is still in use, which the others' LRU can learn that much later.
-  A repeated prompt then costs the fleet nothing, however many instances apply updates. Anything forgotten (a
-  correction, a clear, a down verdict, published or applied) makes the next placement of every prompt news again.
+  A repeated prompt then costs the fleet one update a second, not one a request. Anything forgotten (a correction,
+  a clear, a down verdict, published or applied) makes the next placement of every prompt news again.
   Backends are named by a 32-bit hash of their URL, so instances must list them under the same URLs.
   A new instance replays the stream before `start()` returns (bounded by `WARM_TIMEOUT_S`): its indexes hold
   the fleet's recent placements before it counts as ready.
