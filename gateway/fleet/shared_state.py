@@ -262,18 +262,15 @@ class SharedState:
         self._append(PLACED, backend.url, hashes)
 
     def corrected(self, backend: Backend, hashes: Sequence[int], keep_blocks: int) -> None:
-        self._published_recently.clear()
         self._append(CORRECTED, backend.url, hashes[keep_blocks:keep_blocks + 1])
 
     def marked_down(self, backend: Backend) -> None:
-        self._published_recently.clear()
         self._append(DOWN, backend.url, ())
 
     def session_visited(self, backend: Backend, key: int, blocks: int, last_hash: int) -> None:
         self._append(SESSION, backend.url, (key, blocks, last_hash))
 
     def cleared(self, backend: Backend) -> None:
-        self._published_recently.clear()
         self._append(CLEARED, backend.url, ())
 
     def _end_quiet_interval(self, now_s: float) -> None:
@@ -293,6 +290,8 @@ class SharedState:
     def _append(self, kind: int, url: str, hashes: Sequence[int]) -> None:
         """Queue an update as it is; the flush encodes the queue in one go, off the request's path. `hashes` are
         never changed once made, so holding them is enough."""
+        if kind in _FORGETTING:  # what we placed may be gone from the others' indexes with it
+            self._published_recently.clear()
         size = encoded_size(hashes)
         if self._pending_bytes + size > MAX_PENDING_BYTES:
             self._drop(1)
@@ -384,7 +383,7 @@ class SharedState:
                 age_s = max(0.0, time.time() - float(fields[b"t"]))
                 for kind, backend, hashes in decode_updates(fields[b"b"]):
                     applied += apply_update(self._backends(), kind, backend, hashes, age_s, self._sessions)
-                    if kind in _FORGETTING:  # what we placed since may be gone from the others' indexes
+                    if kind in _FORGETTING:  # as when we publish one (`_append`)
                         self._published_recently.clear()
             except (KeyError, ValueError, struct.error) as exc:  # not ours: another program's, or a newer format
                 logger.debug("state store entry %s skipped: %r", self._last_id, exc)

@@ -241,7 +241,7 @@ class UpstreamClient:
             await response.start(connection)
         except BaseException as exc:
             if response is not None:
-                response.close()  # and its body writer
+                response.close()
             connection.close()
             if isinstance(exc, _TRANSLATED):
                 raise _translate(exc, answered=False) from exc
